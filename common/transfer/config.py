@@ -1,0 +1,76 @@
+"""Configuration of the embedding transfer plane (both the sender and the receiver side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.cli_config import field
+
+ENV_PREFIX = "EPD_TRANSFER_"
+TRANSPORTS = ("mooncake", "shm", "auto")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Settings of one transfer endpoint; flags ``--block-size`` etc., env ``EPD_TRANSFER_*``."""
+
+    block_size: int = field(128, help="tokens per buffer block")
+    num_blocks: int = field(512, help="blocks in the buffer (token slots = num_blocks*block_size)")
+    default_tokens: int = field(
+        1024, help="receiver's first preallocation per room (a multiple of block_size)"
+    )
+    transport: str = field(
+        "auto", help="mooncake | shm | auto (shm only when both ends share a host)"
+    )
+    protocol: str = field("tcp", help="Mooncake protocol: tcp here, rdma in production")
+    device_names: str = field("", help="RDMA device names, e.g. mlx5_0,mlx5_1")
+    host: str = field("127.0.0.1", help="address advertised to peers (control socket + Mooncake)")
+    control_port: int = field(0, help="ZMQ control port; 0 picks a free port")
+    bootstrap_timeout_s: float = field(
+        30.0, help="data ready but no init yet (sender), or init sent but no data (receiver)"
+    )
+    waiting_timeout_s: float = field(
+        30.0, help="sender waiting for a continuation init; receiver waiting for blocks"
+    )
+    transfer_timeout_s: float = field(30.0, help="a write that does not finish")
+    heartbeat_interval_s: float = field(1.0, help="seconds between heartbeats to each peer")
+    heartbeat_timeout_s: float = field(5.0, help="a peer silent this long fails its rooms")
+    num_writers: int = field(4, help="sender threads issuing writes (a slow peer blocks one)")
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.default_tokens <= 0 or self.default_tokens % self.block_size:
+            raise ValueError(
+                f"default_tokens ({self.default_tokens}) must be a positive multiple of "
+                f"block_size ({self.block_size})"
+            )
+        if self.default_tokens > self.num_blocks * self.block_size:
+            raise ValueError(
+                f"default_tokens ({self.default_tokens}) exceeds the buffer "
+                f"({self.num_blocks} blocks x {self.block_size} tokens)"
+            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"protocol must be tcp or rdma, got {self.protocol!r}")
+        if not 0 <= self.control_port < 65536:
+            raise ValueError(f"control_port out of range: {self.control_port}")
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
+        if self.num_writers <= 0:
+            raise ValueError("num_writers must be positive")
+
+    @property
+    def default_blocks(self) -> int:
+        return self.default_tokens // self.block_size
+
+    @property
+    def quarantine_s(self) -> float:
+        """How long a destination allocation stays reserved after a write may have started."""
+        return self.transfer_timeout_s + 2 * self.heartbeat_interval_s

@@ -1,0 +1,86 @@
+"""Value types shared by the sender, the receiver and their callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+MAX_EXTRA_BYTES = 1024
+
+
+class RoomState(IntEnum):
+    """Per-room transfer state on either side.
+
+    Updates only move forward (``BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS``);
+    ``FAILED`` is reachable from any non-final state and always wins. Sender: BOOTSTRAPPING until
+    both the data and the receiver's init are there (WAITING_FOR_INPUT when only the init is).
+    Receiver: BOOTSTRAPPING until blocks are allocated and the init is sent, WAITING_FOR_INPUT
+    until the first chunk lands, TRANSFERRING while continuations run.
+    """
+
+    BOOTSTRAPPING = 0
+    WAITING_FOR_INPUT = 1
+    TRANSFERRING = 2
+    SUCCESS = 3
+    FAILED = 4
+
+    @property
+    def is_final(self) -> bool:
+        return self in (RoomState.SUCCESS, RoomState.FAILED)
+
+
+def advance(current: RoomState, new: RoomState) -> RoomState:
+    """The state after trying to move ``current`` to ``new``: forward only, FAILED wins."""
+    if current.is_final:
+        return current
+    if new == RoomState.FAILED or new > current:
+        return new
+    return current
+
+
+@dataclass(frozen=True)
+class AuxInfo:
+    """Request metadata that travels in the aux record besides the chunk bookkeeping."""
+
+    total_tokens: int  # prompt length
+    num_image_rows: int  # image tokens (rows shipped)
+    mrope_delta: int = 0
+    num_items: int = 0  # images in the request
+    extra: bytes = b""  # opaque metadata for the language side, at most MAX_EXTRA_BYTES
+
+    def __post_init__(self) -> None:
+        if self.total_tokens <= 0:
+            raise ValueError(f"total_tokens must be positive, got {self.total_tokens}")
+        if not 0 <= self.num_image_rows <= self.total_tokens:
+            raise ValueError(
+                f"num_image_rows ({self.num_image_rows}) must be in [0, {self.total_tokens}]"
+            )
+        if len(self.extra) > MAX_EXTRA_BYTES:
+            raise ValueError(f"extra is {len(self.extra)} bytes; at most {MAX_EXTRA_BYTES}")
+
+
+@dataclass
+class ReceivedEmbeddings:
+    """A fully assembled request on the language side."""
+
+    fill_ids: np.ndarray  # int32 [total_tokens]
+    positions: np.ndarray  # int32 [3, total_tokens] (M-RoPE t/h/w)
+    image_rows: torch.Tensor  # [num_image_rows, hidden*(1+num_deepstack)], token order
+    aux: AuxInfo
+    num_transfers: int  # first + continuations
+
+
+class TransferError(Exception):
+    """A room that ended in FAILED, with the reason."""
+
+    def __init__(self, room: int, reason: str) -> None:
+        super().__init__(f"room {room}: {reason}")
+        self.room = room
+        self.reason = reason
+
+
+class TransferWriteError(RuntimeError):
+    """A transport write returned an error (e.g. a non-zero Mooncake status)."""
