@@ -59,7 +59,7 @@ class HFReference:
             pieces = text.split("<|image_pad|>")
             assert len(pieces) == len(images) + 1, "one image placeholder per image"
             text = pieces[0]
-            for thw, piece in zip(grid_thw, pieces[1:]):
+            for thw, piece in zip(grid_thw, pieces[1:], strict=True):
                 text += "<|image_pad|>" * (int(thw.prod()) // merge) + piece
         ids = self.tokenizer(text, return_tensors="pt").input_ids
         mm = (ids == self.config.image_token_id).long()
