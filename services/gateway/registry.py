@@ -36,6 +36,7 @@ class Worker:
     healthy: bool = True
     in_flight: int = 0
     load: dict[str, float] = field(default_factory=dict)
+    info: dict[str, str] = field(default_factory=dict)  # e.g. an encoder's transfer endpoint
 
 
 class WorkerRegistry:
@@ -65,7 +66,14 @@ class WorkerRegistry:
                     last_seen=self._clock(),
                 )
 
-    def heartbeat(self, address: str, role: Role, capacity: int, load: dict[str, float]) -> None:
+    def heartbeat(
+        self,
+        address: str,
+        role: Role,
+        capacity: int,
+        load: dict[str, float],
+        info: dict[str, str] | None = None,
+    ) -> None:
         """Register or refresh a worker; a dropped worker comes back here."""
         with self._lock:
             worker = self._workers.get(address)
@@ -76,6 +84,8 @@ class WorkerRegistry:
                 self._workers[address] = worker
             worker.capacity = capacity
             worker.load = dict(load)
+            if info is not None:
+                worker.info = dict(info)
             worker.healthy = True
             worker.last_seen = self._clock()
 
@@ -86,7 +96,13 @@ class WorkerRegistry:
             worker.channel.close()
         return worker is not None
 
-    def mark(self, address: str, healthy: bool, load: dict[str, float] | None = None) -> None:
+    def mark(
+        self,
+        address: str,
+        healthy: bool,
+        load: dict[str, float] | None = None,
+        info: dict[str, str] | None = None,
+    ) -> None:
         """Record a health/load poll of a worker."""
         with self._lock:
             worker = self._workers.get(address)
@@ -97,6 +113,8 @@ class WorkerRegistry:
                 worker.last_seen = self._clock()
                 if load is not None:
                     worker.load = dict(load)
+                if info is not None:
+                    worker.info = dict(info)
 
     def expire(self) -> list[str]:
         """Drop self-registered workers silent for too long; static ones only turn unhealthy."""

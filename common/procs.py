@@ -1,0 +1,99 @@
+"""Starting services as child processes and waiting until they are healthy.
+
+Used by ``epd run``, the Ray-free local launcher, and the integration tests, which all start
+real processes on 127.0.0.1. Children get their own process group so that stopping one stops
+everything it started; nothing outlives its owner.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free right now (the usual bind-to-0 trick)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_health(address: str, timeout_s: float = 1.0, service: str = "") -> bool:
+    """True when ``address`` answers grpc.health.v1 Check with SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class ServiceProcess:
+    """One ``epd serve ...`` child process, its log file and its gRPC address."""
+
+    def __init__(self, name: str, args: list[str], address: str, log_dir: Path) -> None:
+        self.name = name
+        self.address = address
+        self.log_path = Path(log_dir) / f"{name}.log"
+        env = dict(
+            os.environ,
+            GLOG_minloglevel=os.environ.get("GLOG_minloglevel", "2"),
+            PYTHONUNBUFFERED="1",
+        )
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Block until the service is SERVING; raise with the log tail if it dies or stalls."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
+            if check_health(self.address, timeout_s=0.5):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f}s:\n{self.tail()}")
+
+    def tail(self, num_lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (used by fault tests: a worker dies)."""
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; always reaps and closes the log."""
+        if self.alive():
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.proc.wait(timeout_s)
+        self._log.close()

@@ -1,0 +1,28 @@
+"""``epd serve encoder|language|gateway [options]``: run one role in this process.
+
+Each role's server module owns its options (``epd serve ROLE --help`` lists them); the module is
+imported only for the role asked for, so the gateway never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+ROLE_MODULES = {
+    "encoder": "services.encoder.server",
+    "language": "services.language.server",
+    "gateway": "services.gateway.server",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("role", choices=sorted(ROLE_MODULES), help="which service to run")
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="the role's own options")
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(ROLE_MODULES[args.role])
+    parser = argparse.ArgumentParser(prog=f"epd serve {args.role}")
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(args.options)) or 0)
