@@ -1,0 +1,89 @@
+"""Settings of the encoder service: one frozen dataclass, flags ``--x-y`` / env ``EPD_ENCODER_X_Y``.
+
+The transfer plane keeps its own ``TransferConfig`` (env ``EPD_TRANSFER_*``), nested here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.cli_config import field
+from common.transfer.config import TransferConfig
+
+ENV_PREFIX = "EPD_ENCODER_"
+SENDERS = ("transfer", "none")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Everything the encoder process needs besides the checkpoint path."""
+
+    grpc_host: str = field("127.0.0.1", help="address the gRPC server binds")
+    grpc_port: int = field(0, help="gRPC port; 0 picks a free port")
+    grpc_workers: int = field(8, help="gRPC handler threads (decoding runs on them)")
+    max_message_mb: int = field(64, help="max gRPC receive message size in MiB")
+    device: str = field("auto", help="auto (cuda bf16 when present, else cpu fp32) | cpu | cuda")
+    # intake
+    max_image_bytes: int = field(20 << 20, help="largest encoded image accepted, in bytes")
+    max_image_pixels: int = field(
+        64_000_000, help="largest decoded image (width*height) accepted: decompression bombs"
+    )
+    min_image_side: int = field(2, help="smallest accepted image width or height, in pixels")
+    max_aspect_ratio: float = field(200.0, help="largest accepted long side / short side")
+    max_images: int = field(16, help="most images in one request")
+    max_prompt_tokens: int = field(32768, help="longest prompt after image expansion, in tokens")
+    allowed_dirs: tuple[str, ...] = field((), help="directories local image paths may lie under")
+    allow_urls: bool = field(False, help="fetch http(s) image URLs")
+    allow_private_urls: bool = field(
+        False, help="allow URLs resolving to private/loopback/link-local addresses"
+    )
+    url_timeout_s: float = field(10.0, help="timeout of one image download")
+    # preprocessing
+    min_pixels: int = field(0, help="smart_resize lower bound in pixels; 0 = the checkpoint's")
+    max_pixels: int = field(0, help="smart_resize upper bound in pixels; 0 = the checkpoint's")
+    # ViT execution
+    max_batch_patches: int = field(
+        16384, help="patch budget of one ViT forward (an image larger than it runs alone)"
+    )
+    max_queued_requests: int = field(64, help="requests queued or encoding; more are refused")
+    cache_mb: int = field(512, help="embedding cache size in MiB; 0 disables it")
+    # shipping
+    sender: str = field("transfer", help="transfer (ship to the language side) | none")
+    submit_retry_s: float = field(0.005, help="retry interval when the sender is short of blocks")
+    submit_timeout_s: float = field(30.0, help="give up a room the sender cannot take this long")
+    result_ttl_s: float = field(300.0, help="how long a finished room's outcome stays queryable")
+    transfer: TransferConfig = field(TransferConfig(), help="the transfer plane (EPD_TRANSFER_*)")
+
+    def __post_init__(self) -> None:
+        positive = (
+            "grpc_workers",
+            "max_message_mb",
+            "max_image_bytes",
+            "max_image_pixels",
+            "min_image_side",
+            "max_images",
+            "max_prompt_tokens",
+            "max_batch_patches",
+            "max_queued_requests",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("url_timeout_s", "submit_retry_s", "submit_timeout_s", "result_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_aspect_ratio < 1:
+            raise ValueError(f"max_aspect_ratio must be >= 1, got {self.max_aspect_ratio}")
+        if self.min_pixels < 0 or self.max_pixels < 0:
+            raise ValueError("min_pixels and max_pixels must be >= 0")
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) > max_pixels ({self.max_pixels})")
+        if self.cache_mb < 0:
+            raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.sender not in SENDERS:
+            raise ValueError(f"sender must be one of {SENDERS}, got {self.sender!r}")
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"grpc_port out of range: {self.grpc_port}")

@@ -1,0 +1,77 @@
+"""Proto messages <-> domain objects (no logic beyond field mapping)."""
+
+from __future__ import annotations
+
+import json
+
+from protos.epd.v1 import common_pb2, encoder_pb2
+
+from .errors import InvalidInput
+from .rooms import RoomRecord
+from .service import Accepted, LoadReport
+from .types import ChatMessage, ContentPart, EncodeRequest, ImageSource, RequestLimits
+
+
+def request_from_proto(msg: encoder_pb2.EncodeRequest) -> EncodeRequest:
+    limits = RequestLimits()
+    if msg.HasField("limits"):
+        limits = RequestLimits(msg.limits.max_images, msg.limits.max_prompt_tokens)
+    return EncodeRequest(
+        room=msg.room,
+        request_id=msg.request_id,
+        messages=tuple(_message(m) for m in msg.messages),
+        limits=limits,
+    )
+
+
+def _message(msg: common_pb2.ChatMessage) -> ChatMessage:
+    parts = []
+    for part in msg.content:
+        which = part.WhichOneof("part")
+        if which == "text":
+            parts.append(ContentPart(text=part.text))
+        elif which == "image":
+            kind = part.image.WhichOneof("source")
+            if kind is None:
+                raise InvalidInput("image part without a source")
+            parts.append(ContentPart(image=ImageSource(kind, getattr(part.image, kind))))
+        else:
+            raise InvalidInput("empty content part")
+    return ChatMessage(msg.role, tuple(parts))
+
+
+def reply_to_proto(accepted: Accepted, sender_endpoint: str) -> encoder_pb2.EncodeReply:
+    return encoder_pb2.EncodeReply(
+        room=accepted.room,
+        num_tokens=accepted.num_tokens,
+        num_images=accepted.num_images,
+        num_image_tokens=accepted.num_image_tokens,
+        image_hashes=accepted.image_hashes,
+        sender_endpoint=sender_endpoint,
+    )
+
+
+def outcome_to_proto(record: RoomRecord) -> encoder_pb2.EncodeOutcome:
+    return encoder_pb2.EncodeOutcome(
+        room=record.room,
+        status=int(record.status),
+        error=record.error,
+        num_tokens=record.num_tokens,
+        num_images=record.num_images,
+        num_cache_hits=record.num_cache_hits,
+        encode_s=record.encode_s,
+    )
+
+
+def load_to_proto(load: LoadReport) -> encoder_pb2.LoadReport:
+    return encoder_pb2.LoadReport(
+        num_queued_requests=load.num_queued_requests,
+        num_queued_images=load.num_queued_images,
+        num_waiting_for_blocks=load.num_waiting_for_blocks,
+        num_forwards=load.num_forwards,
+        num_images_encoded=load.num_images_encoded,
+        cache=encoder_pb2.CacheStats(**load.cache) if load.cache else None,
+        free_blocks=int(load.sender.get("num_free_blocks", -1)),
+        sender_endpoint=load.sender_endpoint,
+        sender_stats_json=json.dumps(load.sender, default=str),
+    )

@@ -1,0 +1,127 @@
+"""The encoder without gRPC or shipping: messages + images -> ``EncodedPrompt``.
+
+Two halves: ``prepare`` (synchronous: intake, validation, resize, tokenization, positions; raises
+``InvalidInput``) and ``submit`` (asynchronous: the ViT loop, cache). ``encode`` does both and
+waits. Thread-safe; ``prepare`` may run on many threads at once.
+
+Messages are ``ChatMessage`` objects or template-style dicts::
+
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}
+
+A dict image part takes its image from ``{"type": "image", "image": x}`` or, when it has none,
+from the next entry of ``images`` (PIL images, encoded bytes or ``ImageSource``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .batcher import EncodeTask, VisionBatcher
+from .cache import EmbeddingCache
+from .checkpoint import load_checkpoint
+from .config import EncoderConfig
+from .errors import InvalidInput
+from .intake import ImageInput, ImageIntake
+from .messages import normalize_messages
+from .preprocess import ImagePreprocessor
+from .prompt import PromptBuilder, template_messages
+from .types import EncodedPrompt, Prompt, RequestLimits
+from .vision import VisionTower
+
+
+class EncoderPipeline:
+    def __init__(self, model_path: str | Path, config: EncoderConfig | None = None) -> None:
+        self.config = config or EncoderConfig()
+        self.checkpoint = load_checkpoint(model_path)
+        self.intake = ImageIntake(self.config)
+        self.preprocessor = ImagePreprocessor(
+            self.checkpoint, self.config.min_pixels, self.config.max_pixels
+        )
+        self.prompts = PromptBuilder(self.checkpoint)
+        self.tower = VisionTower(self.checkpoint, self.config.device)
+        cache_bytes = self.config.cache_mb << 20
+        self.cache = EmbeddingCache(cache_bytes) if cache_bytes else None
+        self.batcher = VisionBatcher(
+            lambda pixels, grids: self.tower.split(self.tower.forward(pixels, grids), grids),
+            self.preprocessor.fill_pixels,
+            self.cache,
+            self.config.max_batch_patches,
+        )
+
+    def prepare(
+        self,
+        messages: Sequence,
+        images: Sequence[ImageInput] = (),
+        limits: RequestLimits | None = None,
+    ) -> Prompt:
+        """Validate and tokenize a request; raises ``InvalidInput`` naming the problem."""
+        limits = limits or RequestLimits()
+        chat, sources = normalize_messages(messages, images)
+        max_images = min(x for x in (self.config.max_images, limits.max_images) if x > 0)
+        if len(sources) > max_images:
+            raise InvalidInput(f"request has {len(sources)} images; the limit is {max_images}")
+        prepared = []
+        for index, source in enumerate(sources):
+            img = self.intake.load(source, index)
+            key = self.preprocessor.cache_key(img)
+            cached = self.cache is not None and key in self.cache
+            prepared.append(self.preprocessor.prepare(img, with_pixels=not cached))
+        max_tokens = min(
+            x for x in (self.config.max_prompt_tokens, limits.max_prompt_tokens) if x > 0
+        )
+        return self.prompts.build(template_messages(chat), prepared, max_tokens)
+
+    def submit(
+        self, prompt: Prompt, on_done: Callable[[EncodedPrompt | None, BaseException | None], None]
+    ) -> None:
+        """Queue ``prompt``'s images on the ViT loop; ``on_done`` runs on the loop thread."""
+
+        def finish(task: EncodeTask, error: BaseException | None) -> None:
+            if error is not None:
+                on_done(None, error)
+                return
+            on_done(self._encoded(prompt, task), None)
+
+        self.batcher.submit(EncodeTask(prompt.images, finish))
+
+    def encode(
+        self,
+        messages: Sequence,
+        images: Sequence[ImageInput] = (),
+        limits: RequestLimits | None = None,
+        timeout_s: float | None = None,
+    ) -> EncodedPrompt:
+        """``prepare`` + ``submit`` and wait for the result."""
+        prompt = self.prepare(messages, images, limits)
+        done = threading.Event()
+        result: list = [None, None]
+
+        def on_done(encoded: EncodedPrompt | None, error: BaseException | None) -> None:
+            result[0], result[1] = encoded, error
+            done.set()
+
+        self.submit(prompt, on_done)
+        if not done.wait(timeout_s):
+            raise TimeoutError("encoding did not finish in time")
+        if result[1] is not None:
+            raise result[1]
+        return result[0]
+
+    def _encoded(self, prompt: Prompt, task: EncodeTask) -> EncodedPrompt:
+        return EncodedPrompt(
+            fill_ids=prompt.fill_ids,
+            positions=prompt.positions,
+            image_rows=task.image_rows(self.checkpoint.row_width, self.tower.dtype),
+            image_mask=prompt.image_mask,
+            mrope_delta=prompt.mrope_delta,
+            num_items=len(prompt.images),
+            image_hashes=[im.key.hex() for im in prompt.images],
+            image_token_counts=[im.num_tokens for im in prompt.images],
+            num_cache_hits=task.num_cache_hits,
+            encode_s=task.encode_s,
+        )
+
+    def close(self) -> None:
+        self.batcher.close()

@@ -1,0 +1,163 @@
+"""The encoder service's domain logic, behind the gRPC servicer.
+
+``accept`` runs synchronously on the caller's thread: queue bound, intake, validation, resize,
+tokenization and positions. A bad request raises ``InvalidInput`` and nothing is queued; a full
+queue raises ``Overloaded``. Either way the room is failed at the sender, so a language worker
+already waiting on it learns at once. An accepted request's images go to the ViT loop; when its
+rows are ready the shipper hands them to the sender. ``wait`` reports the outcome.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import EncoderConfig
+from .errors import InvalidInput, Overloaded, RoomInUse, UnknownRoom
+from .pipeline import EncoderPipeline
+from .rooms import RoomRecord, RoomTable
+from .shipping import DiscardingSender, Sender, Shipper
+from .types import EncodedPrompt, EncodeRequest, RoomStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    room: int
+    num_tokens: int
+    num_images: int
+    num_image_tokens: int
+    image_hashes: list[str]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    num_queued_requests: int  # accepted, not yet handed to the sender
+    num_queued_images: int  # images waiting for the ViT
+    num_waiting_for_blocks: int  # encoded, the sender short of blocks
+    num_forwards: int
+    num_images_encoded: int
+    cache: dict  # CacheStats fields (empty when the cache is off)
+    sender: dict  # the sender's stats (free blocks, bytes sent, ...)
+    sender_endpoint: str
+
+
+def create_sender(config: EncoderConfig, pipeline: EncoderPipeline) -> Sender:
+    """The transfer plane's sender for this checkpoint's row layout (or the discarding one)."""
+    if config.sender == "none":
+        return DiscardingSender()
+    from common.transfer.layout import BufferLayout
+    from common.transfer.sender import EmbeddingSender
+
+    checkpoint = pipeline.checkpoint
+    layout = BufferLayout(
+        num_blocks=config.transfer.num_blocks,
+        block_size=config.transfer.block_size,
+        hidden_size=checkpoint.hidden_size,
+        num_deepstack=checkpoint.num_deepstack,
+        dtype=pipeline.tower.dtype,
+    )
+    return EmbeddingSender(config.transfer, layout)
+
+
+class EncoderService:
+    def __init__(
+        self, model_path: str | Path, config: EncoderConfig, sender: Sender | None = None
+    ) -> None:
+        self.config = config
+        self.pipeline = EncoderPipeline(model_path, config)
+        self.rooms = RoomTable(config.result_ttl_s)
+        self.sender = sender if sender is not None else create_sender(config, self.pipeline)
+        self.shipper = Shipper(
+            self.sender, self.rooms, config.submit_retry_s, config.submit_timeout_s
+        )
+
+    def accept(self, request: EncodeRequest) -> Accepted:
+        """Validate and queue ``request``.
+
+        Raises ``InvalidInput``, ``Overloaded`` or ``RoomInUse``.
+        """
+        self._check_new(request.room)
+        if self.rooms.num_active() >= self.config.max_queued_requests:
+            self._reject(request.room, "encoder queue full")
+            raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
+        try:
+            prompt = self.pipeline.prepare(request.messages, (), request.limits)
+        except InvalidInput as exc:
+            self._reject(request.room, str(exc))
+            raise
+        record = RoomRecord(request.room, request.request_id, prompt.num_tokens, len(prompt.images))
+        try:
+            added = self.rooms.add(record, self.config.max_queued_requests)
+        except ValueError as exc:
+            raise RoomInUse(str(exc)) from None
+        if not added:
+            self._reject(request.room, "encoder queue full")
+            raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
+        room = request.room
+
+        def on_done(encoded: EncodedPrompt | None, error: BaseException | None) -> None:
+            if error is not None or encoded is None:
+                reason = f"encoding failed: {error}"
+                self.sender.fail(room, reason)
+                self.rooms.update(room, RoomStatus.FAILED, reason)
+                return
+            self.rooms.update(
+                room,
+                RoomStatus.ENCODED,
+                num_cache_hits=encoded.num_cache_hits,
+                encode_s=encoded.encode_s,
+            )
+            self.shipper.ship(room, encoded)
+
+        try:
+            self.pipeline.submit(prompt, on_done)
+        except RuntimeError as exc:  # shutting down
+            self.rooms.discard(room)
+            raise Overloaded(str(exc)) from None
+        return Accepted(
+            room=room,
+            num_tokens=prompt.num_tokens,
+            num_images=len(prompt.images),
+            num_image_tokens=int(prompt.image_mask.sum()),
+            image_hashes=[im.key.hex() for im in prompt.images],
+        )
+
+    def wait(self, room: int, until: RoomStatus, timeout_s: float) -> RoomRecord:
+        """The room's record once it reached ``until`` (or failed), or at the timeout."""
+        return self.rooms.wait(room, until, timeout_s)
+
+    def load(self) -> LoadReport:
+        cache = self.pipeline.cache
+        batcher = self.pipeline.batcher
+        return LoadReport(
+            num_queued_requests=self.rooms.num_active(),
+            num_queued_images=batcher.num_queued_images,
+            num_waiting_for_blocks=self.shipper.num_waiting_for_blocks,
+            num_forwards=batcher.num_forwards,
+            num_images_encoded=batcher.num_images_encoded,
+            cache=dataclasses.asdict(cache.stats()) if cache is not None else {},
+            sender=self.sender.stats(),
+            sender_endpoint=self.sender.endpoint,
+        )
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self.shipper.close()
+        self.sender.close()
+
+    def _check_new(self, room: int) -> None:
+        try:
+            self.rooms.get(room)
+        except UnknownRoom:
+            return
+        raise RoomInUse(f"room {room} is already in use")
+
+    def _reject(self, room: int, reason: str) -> None:
+        try:
+            self.sender.fail(room, reason)
+        except Exception:  # the rejection itself must reach the caller
+            logger.exception("could not fail room %d at the sender", room)

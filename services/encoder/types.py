@@ -1,0 +1,115 @@
+"""Domain objects of the encoder: what a request is, and what encoding it produces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+import torch
+from PIL import Image
+
+SOURCE_KINDS = ("data", "base64", "path", "url")
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """Where one image comes from: ``kind`` in SOURCE_KINDS, ``value`` bytes or str."""
+
+    kind: str
+    value: bytes | str
+
+    def __post_init__(self) -> None:
+        if self.kind not in SOURCE_KINDS:
+            raise ValueError(f"unknown image source kind {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class ContentPart:
+    """Exactly one of ``text`` / ``image`` (an ``ImageSource``, a PIL image or encoded bytes)."""
+
+    text: str | None = None
+    image: ImageSource | Image.Image | bytes | None = None
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: tuple[ContentPart, ...]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request limits; each only tightens the server's (0 = the server's)."""
+
+    max_images: int = 0
+    max_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EncodeRequest:
+    room: int
+    request_id: str
+    messages: tuple[ChatMessage, ...]
+    limits: RequestLimits = RequestLimits()
+
+
+@dataclass
+class PreparedImage:
+    """One decoded, resized and normalized image, ready for the ViT."""
+
+    key: bytes  # 16-byte cache key: pixels + preprocessing parameters + model revision
+    pixel_values: torch.Tensor | None  # [t*h*w, C*tp*p*p] float32 patches; None until computed
+    grid_thw: tuple[int, int, int]  # in patches
+    num_tokens: int  # t*h*w / merge**2: rows (image tokens) it yields
+    resized: Image.Image | None = None  # the resized RGB image the patches come from
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt before the ViT runs: fill ids, positions, the images in order."""
+
+    fill_ids: np.ndarray  # int32 [L]; image tokens carry their image's pad id
+    positions: np.ndarray  # int32 [3, L] M-RoPE (t, h, w)
+    mrope_delta: int
+    image_mask: np.ndarray  # bool [L]
+    images: list[PreparedImage] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.fill_ids.shape[0])
+
+
+@dataclass
+class EncodedPrompt:
+    """A fully encoded prompt: what the language side receives for one room."""
+
+    fill_ids: np.ndarray  # int32 [L]
+    positions: np.ndarray  # int32 [3, L]
+    image_rows: torch.Tensor  # [M, hidden*(1+num_deepstack)], image tokens in token order (CPU)
+    image_mask: np.ndarray  # bool [L], True at the M image tokens
+    mrope_delta: int
+    num_items: int  # images
+    image_hashes: list[str]  # hex cache key per image
+    image_token_counts: list[int]
+    num_cache_hits: int = 0
+    encode_s: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.fill_ids.shape[0])
+
+
+class RoomStatus(IntEnum):
+    """Where an accepted request is. Forward only; FAILED is final."""
+
+    QUEUED = 0  # accepted, images waiting for the ViT
+    ENCODED = 1  # rows computed, waiting for sender blocks
+    SUBMITTED = 2  # handed to the sender; the receiver pulls it
+    SHIPPED = 3  # the sender reports the transfer complete
+    FAILED = 4

@@ -1,0 +1,92 @@
+"""The vision tower alone: only the checkpoint's visual weights are read and held.
+
+The tower is built from ``config.vision_config`` the way the full model builds it
+(``VisionClass._from_config``), then the safetensors entries under the visual prefix are read
+(only those: ``safe_open`` reads tensors lazily) and loaded with ``load_state_dict(strict=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .checkpoint import VISION_CLASS, Checkpoint
+
+VISUAL_PREFIXES = ("model.visual.", "visual.")
+
+
+def pick_device(name: str) -> tuple[torch.device, torch.dtype]:
+    """auto: CUDA bf16 when present, else CPU fp32 (bf16 is several times slower on CPU)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {path}")
+    return files
+
+
+def read_visual_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The visual tensors of the checkpoint, keys relative to the tower."""
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                for prefix in VISUAL_PREFIXES:
+                    if key.startswith(prefix):
+                        state[key[len(prefix) :]] = f.get_tensor(key)
+                        break
+    if not state:
+        raise ValueError(f"no vision weights (prefixes {VISUAL_PREFIXES}) in {path}")
+    return state
+
+
+class VisionTower:
+    """Runs ``visual(pixel_values, grid_thw)``; one output row per image token.
+
+    Rows are ``[main | deepstack_0 | deepstack_1 ...]`` (width ``hidden * (1 + K)``) for Qwen3-VL,
+    the main embedding alone otherwise.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, device: str = "auto") -> None:
+        from transformers.initialization import no_init_weights
+
+        self.device, self.dtype = pick_device(device)
+        vision_cls = checkpoint.model_class(VISION_CLASS)
+        with no_init_weights():
+            module = vision_cls._from_config(checkpoint.config.vision_config, dtype=self.dtype)
+        state = read_visual_state_dict(checkpoint.path)
+        module.load_state_dict(state, strict=True)
+        self.module = module.to(self.device).eval()
+        self.row_width = checkpoint.row_width
+        self.merge_size = int(checkpoint.config.vision_config.spatial_merge_size)
+
+    @torch.inference_mode()
+    def forward(
+        self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        """Rows ``[sum(t*h*w) / merge**2, row_width]`` of the images, concatenated in order."""
+        grid_thw = torch.tensor(grids, dtype=torch.long, device=self.device)
+        out = self.module(pixel_values.to(self.device, self.dtype), grid_thw=grid_thw)
+        parts = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+        rows = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+        if rows.shape[-1] != self.row_width:
+            raise RuntimeError(f"vision rows are {rows.shape[-1]} wide, expected {self.row_width}")
+        return rows
+
+    def split(self, rows: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """Per-image views of ``forward``'s output."""
+        sizes = [t * h * w // self.merge_size**2 for t, h, w in grids]
+        return list(torch.split(rows, sizes))

@@ -1,0 +1,127 @@
+"""The gRPC service in a real separate process: Encode, WaitEncoded, GetLoad, health, reflection."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from encoder_helpers import encode_bytes, noise_image
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from protos.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+
+STARTUP_TIMEOUT_S = 90
+
+
+@pytest.fixture(scope="module")
+def server_address(qwen25_dir):
+    env = dict(os.environ, GLOG_minloglevel="2", EPD_ENCODER_MAX_IMAGES="2")
+    cmd = [
+        sys.executable, "-m", "services.encoder.server",
+        "--model-path", str(qwen25_dir), "--device", "cpu", "--grpc-port", "0",
+        "--sender", "transfer", "--num-blocks", "16", "--transport", "shm",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
+    )
+    address, lines = None, []
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline and address is None:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if line.startswith("encoder listening on "):
+            address = line.split()[3]
+    if address is None:
+        proc.kill()
+        pytest.fail("encoder did not start:\n" + "".join(lines[-30:]))
+    yield address
+    proc.terminate()
+    try:
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def channel(server_address):
+    with grpc.insecure_channel(
+        server_address, options=[("grpc.max_send_message_length", 64 << 20)]
+    ) as ch:
+        yield ch
+
+
+def _request(room: int, *sources: common_pb2.ImageSource) -> encoder_pb2.EncodeRequest:
+    parts = [common_pb2.ContentPart(image=s) for s in sources]
+    parts.append(common_pb2.ContentPart(text="What is this?"))
+    message = common_pb2.ChatMessage(role="user", content=parts)
+    return encoder_pb2.EncodeRequest(room=room, request_id=f"req-{room}", messages=[message])
+
+
+def test_encode_wait_and_load(channel):
+    stub = encoder_pb2_grpc.EncoderStub(channel)
+    png = encode_bytes(noise_image(100, 80, 1))
+    b64 = base64.b64encode(png).decode()
+    reply = stub.Encode(
+        _request(11, common_pb2.ImageSource(data=png), common_pb2.ImageSource(base64=b64))
+    )
+    assert reply.room == 11 and reply.num_images == 2 and reply.num_image_tokens == 24
+    assert reply.image_hashes[0] == reply.image_hashes[1]
+    assert reply.sender_endpoint.startswith("tcp://")
+    outcome = stub.WaitEncoded(
+        encoder_pb2.WaitEncodedRequest(
+            room=11, until=encoder_pb2.ENCODE_STATUS_SUBMITTED, timeout_s=30
+        )
+    )
+    # no receiver ever asks for it: the sender holds the room
+    assert outcome.status == encoder_pb2.ENCODE_STATUS_SUBMITTED
+    assert outcome.num_tokens == reply.num_tokens
+    load = stub.GetLoad(encoder_pb2.GetLoadRequest())
+    assert load.num_images_encoded == 1 and load.cache.num_misses == 1
+    assert load.free_blocks < 16 and load.sender_endpoint == reply.sender_endpoint
+
+    # a large image needs a raised receive limit (5+ MB)
+    big = encode_bytes(noise_image(1400, 1400, 2))
+    assert len(big) > 4 << 20
+    assert stub.Encode(_request(12, common_pb2.ImageSource(data=big))).num_images == 1
+
+
+def test_errors_map_to_status_codes(channel):
+    stub = encoder_pb2_grpc.EncoderStub(channel)
+    png = encode_bytes(noise_image(56, 56))
+    cases = [
+        (_request(21, common_pb2.ImageSource(data=b"nope")), "INVALID_ARGUMENT", "not an image"),
+        (_request(22, common_pb2.ImageSource(base64="@@@")), "INVALID_ARGUMENT", "base64"),
+        (_request(23, *[common_pb2.ImageSource(data=png)] * 3), "INVALID_ARGUMENT", "limit is 2"),
+        (_request(24, common_pb2.ImageSource(url="http://10.0.0.1/")), "INVALID_ARGUMENT", "URLs"),
+        (_request(11, common_pb2.ImageSource(data=png)), "ALREADY_EXISTS", "room 11"),
+    ]  # fmt: skip
+    for request, code, needle in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Encode(request)
+        assert info.value.code().name == code and needle in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.WaitEncoded(encoder_pb2.WaitEncodedRequest(room=999))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert stub.Encode(_request(25, common_pb2.ImageSource(data=png))).num_images == 1
+
+
+def test_health_and_reflection(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "epd.v1.Encoder"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"epd.v1.Encoder", "grpc.health.v1.Health"} <= names
