@@ -1,0 +1,1 @@
+"""Requests, scheduling, sampling and the engine loop (schedule -> run -> postprocess)."""

@@ -1,0 +1,118 @@
+"""Picks the work of one step: decode tokens first, then prefill chunks under a token budget.
+
+Policy, in order:
+1. Every DECODE request gets one token. When no slot is left even after radix eviction, the
+   newest running request not yet scheduled this step is preempted (its slots freed, back to
+   the front of the waiting queue with its generated tokens, to be recomputed).
+2. PREFILL requests continue, oldest first, while the chunk budget lasts.
+3. WAITING requests are admitted (radix match + lock) while the budget, ``max_running`` and
+   the slots allow: a request is admitted only if all of its remaining prompt plus the
+   remaining prompts of running prefills fit in free + evictable slots, so prefills never
+   deadlock each other. Otherwise it stays queued.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.language.engine.cache_manager import CacheManager
+from services.language.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    start: int  # first sequence index computed this step
+    end: int  # one past the last; == seq_len means the last row is sampled
+
+    @property
+    def sample(self) -> bool:
+        return self.end == self.req.seq_len
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, cache_manager: CacheManager, chunk_size: int, max_running: int) -> None:
+        self.cm = cache_manager
+        self.chunk_size = chunk_size
+        self.max_running = max_running
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0  # lifetime count
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Drop ``req`` from the queues and free its slots and locks (finish or abort)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cm.release(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        scheduled: set[int] = set()
+        for req in list(self.running):
+            if req.status == RequestStatus.DECODE and req in self.running:
+                self._schedule_tokens(req, 1, out, scheduled)
+        budget = self.chunk_size
+        for req in list(self.running):
+            if req.status == RequestStatus.PREFILL and budget > 0 and req in self.running:
+                budget -= self._schedule_tokens(req, budget, out, scheduled)
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            if not self._admit(self.waiting[0]):
+                break
+            req = self.waiting.popleft()
+            self.running.append(req)
+            budget -= self._schedule_tokens(req, budget, out, scheduled)
+        return out
+
+    def _schedule_tokens(
+        self, req: Request, max_tokens: int, out: SchedulerOutput, scheduled: set[int]
+    ) -> int:
+        num = min(max_tokens, req.seq_len - req.num_computed)
+        slots = self.cm.allocate(num)
+        while slots is None:
+            victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+            if victim is None:
+                return 0
+            self._preempt(victim, out)
+            if victim is req:
+                return 0
+            slots = self.cm.allocate(num)
+        self.cm.extend(req, slots)
+        out.chunks.append(ScheduledChunk(req, req.num_computed, req.num_computed + num))
+        scheduled.add(id(req))
+        return num
+
+    def _admit(self, req: Request) -> bool:
+        reserved = sum(
+            r.prompt_len - r.num_computed for r in self.running if r.status == RequestStatus.PREFILL
+        )
+        self.cm.admit(req)
+        if self.cm.num_available < req.seq_len - req.num_computed + reserved:
+            self.cm.release(req)
+            return False
+        req.status = RequestStatus.PREFILL
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.cm.release(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+        self.num_preemptions += 1

@@ -1,0 +1,54 @@
+"""The engine's input for one prompt: what the encoder computed, in the engine's own type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PromptInputs:
+    """One fully assembled prompt.
+
+    ``fill_ids`` holds real token ids for text and each image's hashed pad id (>= vocab_size) at
+    its tokens; ``image_rows`` has one row per image token, in token order, each row
+    ``[main | deepstack_0 | ...]`` (width ``hidden * (1 + num_deepstack)``).
+    """
+
+    fill_ids: torch.Tensor  # long [L]
+    positions: torch.Tensor  # long [3, L] M-RoPE positions
+    image_rows: torch.Tensor  # [num_image_tokens, hidden*(1+num_deepstack)]
+    mrope_delta: int  # decode position of token i (i >= L) is i + mrope_delta on all axes
+    num_deepstack: int = 0
+
+    def __post_init__(self) -> None:
+        self.fill_ids = torch.as_tensor(np.asarray(self.fill_ids), dtype=torch.long).flatten()
+        self.positions = torch.as_tensor(np.asarray(self.positions), dtype=torch.long)
+        if self.positions.shape != (3, self.fill_ids.shape[0]):
+            raise ValueError(f"positions {tuple(self.positions.shape)} != (3, {len(self)})")
+        if len(self) == 0:
+            raise ValueError("empty prompt")
+
+    def __len__(self) -> int:
+        return int(self.fill_ids.shape[0])
+
+    @classmethod
+    def from_text_ids(cls, token_ids: list[int], hidden_size: int) -> PromptInputs:
+        """A text-only prompt: positions ``arange`` on all three axes, delta 0."""
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        positions = torch.arange(len(token_ids)).expand(3, -1).clone()
+        return cls(ids, positions, torch.zeros(0, hidden_size), 0, 0)
+
+    @classmethod
+    def from_received(cls, received, num_deepstack: int) -> PromptInputs:
+        """From the transfer plane's ``ReceivedEmbeddings`` (or the encoder pipeline's output):
+        ``fill_ids`` int32[L], ``positions`` int32[3, L], ``image_rows``, ``aux.mrope_delta``."""
+        return cls(
+            fill_ids=received.fill_ids,
+            positions=received.positions,
+            image_rows=received.image_rows,
+            mrope_delta=int(received.aux.mrope_delta),
+            num_deepstack=num_deepstack,
+        )

@@ -1,0 +1,1 @@
+"""KV storage: the token-slot pool, its allocator and the radix prefix cache."""

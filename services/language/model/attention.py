@@ -1,0 +1,53 @@
+"""Attention of a flat batch over the paged KV pool with ``scaled_dot_product_attention``.
+
+Prefill chunks attend causally with an offset: query ``i`` of a chunk that follows
+``prefix_len`` cached tokens sees keys ``0 .. prefix_len + i``. Decode tokens see all their
+keys; they are padded into one call with a key mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.language.model.batch import ForwardBatch
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """``q`` [T, heads, head_dim]; caches [num_slots, kv_heads, head_dim] -> [T, heads, head_dim].
+
+    The K/V of this step's tokens must already be written at ``batch.out_slots``.
+    """
+    out = torch.empty_like(q)
+    for seg in batch.extends:
+        qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
+        k = k_cache[seg.kv_slots].transpose(0, 1)[None]
+        v = v_cache[seg.kv_slots].transpose(0, 1)[None]
+        prefix_len = int(seg.kv_slots.shape[0]) - seg.q_len
+        if prefix_len == 0:
+            o = F.scaled_dot_product_attention(
+                qs, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            rows = torch.arange(seg.q_len, device=q.device)[:, None] + prefix_len
+            mask = torch.arange(k.shape[2], device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(
+                qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
+    if batch.decode is not None:
+        group = batch.decode
+        qd = q[group.q_rows][:, :, None, :]  # [B, heads, 1, head_dim]
+        k = k_cache[group.kv_slots].transpose(1, 2)  # [B, kv_heads, L, head_dim]
+        v = v_cache[group.kv_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=group.kv_mask, scale=scale, enable_gqa=True
+        )
+        out[group.q_rows] = o[:, :, 0, :]
+    return out

@@ -1,0 +1,47 @@
+"""The tensors of one model step: a flat batch of new tokens from several requests.
+
+Every step concatenates the new tokens of all scheduled requests (prefill chunks and decode
+tokens alike) into ``T`` rows. Attention is computed per request over its KV slots, which hold
+the cached prefix followed by the tokens of this step (written before attention runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ExtendSegment:
+    """One request with ``q_len >= 2`` new tokens (a prefill chunk) attending causally."""
+
+    q_start: int  # first row of this request in the flat batch
+    q_len: int  # new tokens this step
+    kv_slots: torch.Tensor  # long [prefix_len + q_len]: slots of every token it attends to
+
+
+@dataclass
+class DecodeGroup:
+    """Requests with exactly one new token, attended in one padded SDPA call."""
+
+    q_rows: torch.Tensor  # long [B]: row of each request's token in the flat batch
+    kv_slots: torch.Tensor  # long [B, max_kv_len], padded with slot 0
+    kv_mask: torch.Tensor  # bool [B, 1, 1, max_kv_len]: True at real keys
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward step (all on the model's device)."""
+
+    fill_ids: torch.Tensor  # long [T]; >= vocab_size at image tokens
+    positions: torch.Tensor  # long [3, T] M-RoPE positions
+    image_rows: torch.Tensor | None  # [num_image_tokens, hidden*(1+num_deepstack)], token order
+    out_slots: torch.Tensor  # long [T]: where each new token's K/V is written
+    extends: list[ExtendSegment]
+    decode: DecodeGroup | None
+    logit_rows: torch.Tensor  # long [S]: rows whose next-token logits are returned
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.fill_ids.shape[0])

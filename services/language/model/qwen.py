@@ -1,0 +1,55 @@
+"""The Qwen-VL text decoder: embeddings + image rows, decoder layers, deepstack, LM head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.language.kvcache.pool import KVPool
+from services.language.model.batch import ForwardBatch
+from services.language.model.config import TextModelConfig
+from services.language.model.layers import DecoderLayer, RMSNorm
+from services.language.model.rope import MRotaryEmbedding
+
+
+class QwenTextModel(nn.Module):
+    """Parameter names follow the checkpoint's text weights with the model prefix stripped."""
+
+    def __init__(self, config: TextModelConfig, rope: MRotaryEmbedding) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = rope
+
+    def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Text rows from the embedding table; image rows scattered at image tokens.
+
+        Returns the hidden states and the image-token mask (None when the batch has none).
+        """
+        vocab, hidden = self.config.vocab_size, self.config.hidden_size
+        image_mask = batch.fill_ids >= vocab
+        h = self.embed_tokens(batch.fill_ids.masked_fill(image_mask, 0))
+        if batch.image_rows is None or batch.image_rows.shape[0] == 0:
+            return h, None
+        h[image_mask] = batch.image_rows[:, :hidden].to(h.dtype)
+        return h, image_mask
+
+    def forward(self, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
+        """Logits [len(batch.logit_rows), vocab] of the requested rows."""
+        hidden = self.config.hidden_size
+        h, image_mask = self.embed(batch)
+        cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, batch, kv_pool)
+            if image_mask is not None and i < self.config.num_deepstack:
+                # NOTE: deepstack row i is added after decoder layer i, as in transformers.
+                extra = batch.image_rows[:, (i + 1) * hidden : (i + 2) * hidden]
+                h[image_mask] = h[image_mask] + extra.to(h.dtype)
+        h = self.norm(h[batch.logit_rows])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(h, weight)

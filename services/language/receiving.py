@@ -1,0 +1,70 @@
+"""The one place the language engine touches the transfer plane.
+
+The engine sees an ``EmbeddingSource``: rooms are added with the encoder's endpoint, finished
+rooms come back as ``PromptInputs`` (or an exception), and aborts release the room's blocks.
+``ReceiverSource`` adapts ``common.transfer.receiver.EmbeddingReceiver`` to it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.language.inputs import PromptInputs
+from services.language.model.config import TextModelConfig
+
+
+class EmbeddingSource(Protocol):
+    def add_room(self, room: int, encoder_endpoint: str) -> None: ...
+
+    def pop_done(self) -> list[tuple[int, PromptInputs | Exception]]: ...
+
+    def abort(self, room: int) -> None: ...
+
+    def num_free_blocks(self) -> int: ...
+
+
+class ReceiverSource:
+    """``EmbeddingSource`` over the transfer plane's receiver."""
+
+    def __init__(self, receiver, num_deepstack: int) -> None:
+        self.receiver = receiver
+        self.num_deepstack = num_deepstack
+
+    def add_room(self, room: int, encoder_endpoint: str) -> None:
+        self.receiver.add_room(room, encoder_endpoint)
+
+    def pop_done(self) -> list[tuple[int, PromptInputs | Exception]]:
+        done: list[tuple[int, PromptInputs | Exception]] = []
+        for room, result in self.receiver.pop_done():
+            if isinstance(result, Exception):
+                done.append((room, result))
+                continue
+            try:
+                done.append((room, PromptInputs.from_received(result, self.num_deepstack)))
+            except ValueError as exc:
+                done.append((room, exc))
+        return done
+
+    def abort(self, room: int) -> None:
+        self.receiver.abort(room)
+
+    def num_free_blocks(self) -> int:
+        return int(self.receiver.stats().get("num_free_blocks", -1))
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def create_receiver_source(model_config: TextModelConfig, transfer_config=None) -> ReceiverSource:
+    """A receiver whose rows match the model (fp32 rows; cast to the model dtype on use)."""
+    from common.transfer.config import TransferConfig
+    from common.transfer.layout import layout_for
+    from common.transfer.receiver import EmbeddingReceiver
+
+    config = transfer_config or TransferConfig()
+    layout = layout_for(
+        config, model_config.hidden_size, model_config.num_deepstack, dtype=torch.float32
+    )
+    return ReceiverSource(EmbeddingReceiver(config, layout), model_config.num_deepstack)

@@ -1,0 +1,48 @@
+"""A stand-in encoder for tests and benchmarks: ``PromptInputs`` from transformers' own model.
+
+Until the encoder service is wired in, this plays its part: image tokens get a pad id from a
+hash of the image's pixel values, positions come from ``get_rope_index`` and image rows from
+``model.model.visual`` (Qwen3-VL: main row then each deepstack row, along the hidden dim).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from common.models.hf_reference import HFReference, ReferenceInputs
+from common.multimodal import pad_id_for
+from services.language.inputs import PromptInputs
+
+
+@torch.no_grad()
+def local_encode(ref: HFReference, inputs: ReferenceInputs) -> PromptInputs:
+    """What the encoder would ship for ``inputs``, as the engine's ``PromptInputs``."""
+    ids = inputs.input_ids
+    vocab = ref.config.text_config.vocab_size
+    fill_ids = ids[0].clone()
+    if inputs.pixel_values is None:
+        positions = torch.arange(ids.shape[1]).expand(3, -1)
+        return PromptInputs(fill_ids, positions, torch.zeros(0, 1), 0)
+    model = ref.model.model
+    pos, delta = model.get_rope_index(
+        ids,
+        inputs.mm_token_type_ids,
+        image_grid_thw=inputs.image_grid_thw,
+        attention_mask=torch.ones_like(ids),
+    )
+    out = model.visual(inputs.pixel_values, grid_thw=inputs.image_grid_thw)
+    parts = [out.pooler_output] + list(getattr(out, "deepstack_features", None) or [])
+    rows = torch.cat(parts, dim=-1)
+    merge = ref.image_processor.merge_size**2
+    image_positions = torch.nonzero(ids[0] == ref.config.image_token_id).flatten()
+    patch_start = token_start = 0
+    for thw in inputs.image_grid_thw:
+        num_patches = int(thw.prod())
+        pixels = inputs.pixel_values[patch_start : patch_start + num_patches]
+        pad = pad_id_for(hashlib.sha256(pixels.numpy().tobytes()).digest(), vocab)
+        num_tokens = num_patches // merge
+        fill_ids[image_positions[token_start : token_start + num_tokens]] = pad
+        patch_start, token_start = patch_start + num_patches, token_start + num_tokens
+    return PromptInputs(fill_ids, pos[:, 0], rows, int(delta.flatten()[0]), len(parts) - 1)
