@@ -52,8 +52,14 @@ def _parse_scalar(tp: type, raw: str) -> Any:
     return tp(raw)
 
 
-def add_cli_args(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -> None:
-    """Add one flag per field of the frozen dataclass ``cls``."""
+def add_cli_args(
+    parser: argparse.ArgumentParser, cls: type, env_prefix: str, flag_prefix: str = ""
+) -> None:
+    """Add one flag per field of the frozen dataclass ``cls``.
+
+    ``flag_prefix`` namespaces a nested config's flags: with ``"transfer"`` the field ``host``
+    becomes ``--transfer-host`` (its environment variable is still ``env_prefix + "HOST"``).
+    """
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
@@ -64,7 +70,8 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type, env_prefix: str) ->
         help_text = f"{f.metadata.get('help', '')} [env {env}]"
         if dataclasses.is_dataclass(tp):
             continue  # nested configs are added by their owner with their own prefix
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        dest = f"{flag_prefix}_{f.name}" if flag_prefix else f.name
+        kwargs: dict[str, Any] = {"dest": dest, "default": None, "help": help_text}
         if tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif is_tuple:
@@ -72,10 +79,16 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type, env_prefix: str) ->
             kwargs["type"] = tp
         else:
             kwargs["type"] = tp
-        group.add_argument(_flag(f.name), **kwargs)
+        group.add_argument(_flag(dest), **kwargs)
 
 
-def from_cli_args(cls: type[T], args: argparse.Namespace, env_prefix: str, **overrides: Any) -> T:
+def from_cli_args(
+    cls: type[T],
+    args: argparse.Namespace,
+    env_prefix: str,
+    flag_prefix: str = "",
+    **overrides: Any,
+) -> T:
     """Build ``cls`` from parsed flags, then the environment, then the field defaults."""
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
@@ -85,7 +98,7 @@ def from_cli_args(cls: type[T], args: argparse.Namespace, env_prefix: str, **ove
         tp, is_tuple = _base_type(hints[f.name])
         if dataclasses.is_dataclass(tp):
             continue
-        value = getattr(args, f.name, None)
+        value = getattr(args, f"{flag_prefix}_{f.name}" if flag_prefix else f.name, None)
         if value is None:
             raw = os.environ.get(env_prefix + f.name.upper())
             if raw is not None:

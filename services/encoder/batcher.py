@@ -71,6 +71,8 @@ class VisionBatcher:
         self._closed = False
         self.num_forwards = 0
         self.num_images_encoded = 0
+        # Observer of each forward: (number of images, seconds). Set by the metrics.
+        self.on_forward: Callable[[int, float], None] | None = None
         self._thread = threading.Thread(target=self._run, name="epd-vit", daemon=True)
         self._thread.start()
 
@@ -152,6 +154,8 @@ class VisionBatcher:
         elapsed = time.perf_counter() - start
         self.num_forwards += 1
         self.num_images_encoded += len(batch)
+        if self.on_forward is not None:
+            self.on_forward(len(batch), elapsed)
         seen_tasks: set[int] = set()
         for image, rows in zip(batch, per_image, strict=True):
             rows = rows.to("cpu").contiguous().clone()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from common.cli_config import field
 from common.transfer.config import TransferConfig
+from common.worker import WorkerConfig
 
 ENV_PREFIX = "EPD_ENCODER_"
 SENDERS = ("transfer", "none")
@@ -19,8 +20,8 @@ DEVICES = ("auto", "cpu", "cuda")
 class EncoderConfig:
     """Everything the encoder process needs besides the checkpoint path."""
 
-    grpc_host: str = field("127.0.0.1", help="address the gRPC server binds")
-    grpc_port: int = field(0, help="gRPC port; 0 picks a free port")
+    host: str = field("127.0.0.1", help="address the gRPC server binds")
+    port: int = field(0, help="gRPC port; 0 picks a free port")
     grpc_workers: int = field(8, help="gRPC handler threads (decoding runs on them)")
     max_message_mb: int = field(64, help="max gRPC receive message size in MiB")
     device: str = field("auto", help="auto (cuda bf16 when present, else cpu fp32) | cpu | cuda")
@@ -54,6 +55,7 @@ class EncoderConfig:
     submit_timeout_s: float = field(30.0, help="give up a room the sender cannot take this long")
     result_ttl_s: float = field(300.0, help="how long a finished room's outcome stays queryable")
     transfer: TransferConfig = field(TransferConfig(), help="the transfer plane (EPD_TRANSFER_*)")
+    worker: WorkerConfig = field(WorkerConfig(), help="registration and metrics")
 
     def __post_init__(self) -> None:
         positive = (
@@ -85,5 +87,5 @@ class EncoderConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.sender not in SENDERS:
             raise ValueError(f"sender must be one of {SENDERS}, got {self.sender!r}")
-        if not 0 <= self.grpc_port < 65536:
-            raise ValueError(f"grpc_port out of range: {self.grpc_port}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")

@@ -15,6 +15,7 @@ from the next entry of ``images`` (PIL images, encoded bytes or ``ImageSource``)
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -49,6 +50,8 @@ class EncoderPipeline:
             self.cache,
             self.config.max_batch_patches,
         )
+        # Observer of each prepared request: seconds of decoding + preprocessing. Metrics set it.
+        self.on_prepare: Callable[[float], None] | None = None
 
     def prepare(
         self,
@@ -57,6 +60,15 @@ class EncoderPipeline:
         limits: RequestLimits | None = None,
     ) -> Prompt:
         """Validate and tokenize a request; raises ``InvalidInput`` naming the problem."""
+        start = time.perf_counter()
+        prompt = self._prepare(messages, images, limits)
+        if self.on_prepare is not None:
+            self.on_prepare(time.perf_counter() - start)
+        return prompt
+
+    def _prepare(
+        self, messages: Sequence, images: Sequence[ImageInput], limits: RequestLimits | None
+    ) -> Prompt:
         limits = limits or RequestLimits()
         chat, sources = normalize_messages(messages, images)
         max_images = min(x for x in (self.config.max_images, limits.max_images) if x > 0)

@@ -20,9 +20,11 @@ from grpc_reflection.v1alpha import reflection
 from common.cli_config import add_cli_args, from_cli_args
 from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
 from common.transfer.config import TransferConfig
+from common.worker import WorkerConfig, WorkerRuntime
 from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import ENV_PREFIX, EncoderConfig
+from .metrics import create_registry
 from .service import EncoderService
 from .servicer import EncoderServicer
 from .shipping import Sender
@@ -53,27 +55,29 @@ def serve(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{config.grpc_host}:{config.grpc_port}")
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         service.close()
-        raise OSError(f"cannot bind {config.grpc_host}:{config.grpc_port}")
+        raise OSError(f"cannot bind {config.host}:{config.port}")
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     endpoint = service.sender.endpoint
-    logger.info("encoder serving on %s:%d (sender %s)", config.grpc_host, port, endpoint)
+    logger.info("encoder serving on %s:%d (sender %s)", config.host, port, endpoint)
     return server, service, port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", type=Path, required=True, help="checkpoint directory")
     add_cli_args(parser, EncoderConfig, ENV_PREFIX)
-    add_cli_args(parser, TransferConfig, TRANSFER_ENV_PREFIX)
+    add_cli_args(parser, WorkerConfig, ENV_PREFIX)
+    add_cli_args(parser, TransferConfig, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
 
 
 def config_from_args(args: argparse.Namespace) -> EncoderConfig:
-    transfer = from_cli_args(TransferConfig, args, TRANSFER_ENV_PREFIX)
-    return from_cli_args(EncoderConfig, args, ENV_PREFIX, transfer=transfer)
+    transfer = from_cli_args(TransferConfig, args, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
+    worker = from_cli_args(WorkerConfig, args, ENV_PREFIX)
+    return from_cli_args(EncoderConfig, args, ENV_PREFIX, transfer=transfer, worker=worker)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,14 +85,35 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     server, service, port = serve(args.model_path, config)
     endpoint = service.sender.endpoint
-    print(f"encoder listening on {config.grpc_host}:{port} sender={endpoint}", flush=True)
+    runtime = WorkerRuntime(
+        config.worker,
+        "encoder",
+        config.host,
+        port,
+        lambda: load_figures(service),
+        info={"transfer_endpoint": endpoint},
+        registry=create_registry(service),
+    )
+    print(f"encoder listening on {config.host}:{port} sender={endpoint}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    runtime.stop()
     server.stop(grace=5).wait()
     service.close()
     return 0
+
+
+def load_figures(service: EncoderService) -> dict[str, float]:
+    """The load numbers the encoder heartbeats to the gateway."""
+    load = service.load()
+    return {
+        "queue_depth": float(load.num_queued_requests),
+        "queued_images": float(load.num_queued_images),
+        "waiting_for_blocks": float(load.num_waiting_for_blocks),
+        "free_blocks": float(load.sender.get("num_free_blocks", -1)),
+    }
 
 
 def main() -> int:

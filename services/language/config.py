@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.cli_config import field
+from common.transfer.config import TransferConfig
+from common.worker import WorkerConfig
 
 ENV_PREFIX = "EPD_LANGUAGE_"
 
@@ -24,6 +26,8 @@ class LanguageConfig:
     default_max_new_tokens: int = field(128, help="max_new_tokens when a request sends 0")
     grpc_max_message_mb: int = field(64, help="gRPC max message size, MiB")
     grpc_workers: int = field(32, help="gRPC server threads (one per streaming call)")
+    transfer: TransferConfig = field(TransferConfig(), help="the transfer plane (EPD_TRANSFER_*)")
+    worker: WorkerConfig = field(WorkerConfig(), help="registration and metrics")
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.max_running_requests < 1:

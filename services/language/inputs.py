@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ class PromptInputs:
     image_rows: torch.Tensor  # [num_image_tokens, hidden*(1+num_deepstack)]
     mrope_delta: int  # decode position of token i (i >= L) is i + mrope_delta on all axes
     num_deepstack: int = 0
+    # Where the prompt came from, for the timing report: encode_s, num_encoder_cache_hits,
+    # transfer_s, num_transfers (empty for text-only prompts).
+    provenance: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.fill_ids = torch.as_tensor(np.asarray(self.fill_ids), dtype=torch.long).flatten()
@@ -51,4 +55,25 @@ class PromptInputs:
             image_rows=received.image_rows,
             mrope_delta=int(received.aux.mrope_delta),
             num_deepstack=num_deepstack,
+            provenance=provenance_of(received),
         )
+
+
+def provenance_of(received) -> dict[str, float]:
+    """Timing facts carried by a received prompt: the encoder's (in ``aux.extra``, JSON with
+    ``encode_s`` and ``hits``) and the transfer's (``transfer_s``, ``num_transfers``)."""
+    out: dict[str, float] = {}
+    extra = getattr(received.aux, "extra", b"")
+    if extra:
+        try:
+            meta = json.loads(extra)
+        except ValueError:
+            meta = {}
+        if isinstance(meta, dict):
+            out["encode_s"] = float(meta.get("encode_s", 0.0))
+            hits = meta.get("hits", 0)
+            out["num_encoder_cache_hits"] = float(sum(hits) if isinstance(hits, list) else hits)
+    for name in ("transfer_s", "num_transfers"):
+        if getattr(received, name, None) is not None:
+            out[name] = float(getattr(received, name))
+    return out

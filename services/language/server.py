@@ -18,10 +18,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.cli_config import add_cli_args, from_cli_args
+from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
+from common.transfer.config import TransferConfig
+from common.worker import WorkerConfig, WorkerRuntime
 from protos.epd.v1 import language_pb2, language_pb2_grpc
 from services.language.config import ENV_PREFIX, LanguageConfig
 from services.language.engine.engine import LanguageEngine
 from services.language.engine_thread import EngineThread
+from services.language.metrics import create_registry
 from services.language.servicer import LanguageServicer
 
 logger = logging.getLogger(__name__)
@@ -83,19 +87,57 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cli_args(parser, LanguageConfig, ENV_PREFIX)
+    add_cli_args(parser, WorkerConfig, ENV_PREFIX)
+    add_cli_args(parser, TransferConfig, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
+
+
+def config_from_args(args: argparse.Namespace) -> LanguageConfig:
+    transfer = from_cli_args(TransferConfig, args, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
+    worker = from_cli_args(WorkerConfig, args, ENV_PREFIX)
+    return from_cli_args(LanguageConfig, args, ENV_PREFIX, transfer=transfer, worker=worker)
+
+
+def serve_with_receiver(config: LanguageConfig) -> LanguageServer:
+    """``serve`` with the transfer plane's receiver as the embedding source."""
+    from services.language.model.config import TextModelConfig
+    from services.language.receiving import create_receiver_source
+
+    model_config = TextModelConfig.from_pretrained(config.model_path)
+    return serve(config, create_receiver_source(model_config, config.transfer))
+
+
+def load_figures(handle: LanguageServer) -> dict[str, float]:
+    """The load numbers the worker heartbeats to the gateway."""
+    load = handle.engine_thread.load()
+    return {
+        "running": float(load.num_running),
+        "waiting": float(load.num_waiting),
+        "receiving": float(load.num_receiving),
+        "kv_slots_used": float(load.num_kv_slots_used),
+        "kv_slots_total": float(load.num_kv_slots_total),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config = from_cli_args(LanguageConfig, args, ENV_PREFIX)
+    config = config_from_args(args)
     if not config.model_path:
         raise SystemExit("--model-path is required")
-    handle = serve(config)
+    handle = serve_with_receiver(config)
+    runtime = WorkerRuntime(
+        config.worker,
+        "language",
+        config.host,
+        handle.port,
+        lambda: load_figures(handle),
+        registry=create_registry(handle),
+    )
     print(f"language worker listening on {config.host}:{handle.port}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    runtime.stop()
     handle.stop()
     return 0
 

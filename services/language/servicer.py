@@ -49,8 +49,17 @@ def chunk_from_output(out: RequestOutput) -> language_pb2.LanguageGenerateChunk:
         chunk.usage.prompt_tokens = out.num_prompt_tokens
         chunk.usage.cached_tokens = out.num_cached_tokens
         chunk.usage.completion_tokens = out.num_completion_tokens
-        chunk.timing.ttft_seconds = out.ttft_s
-        chunk.timing.total_seconds = out.total_s
+        t, p = chunk.timing, out.provenance
+        t.ttft_seconds, t.total_seconds = out.ttft_s, out.total_s
+        t.receive_seconds, t.queue_seconds, t.prefill_seconds = (
+            out.receive_s,
+            out.queue_s,
+            out.prefill_s,
+        )
+        t.encode_seconds = p.get("encode_s", 0.0)
+        t.transfer_seconds = p.get("transfer_s", 0.0)
+        t.num_transfers = int(p.get("num_transfers", 0))
+        t.num_encoder_cache_hits = int(p.get("num_encoder_cache_hits", 0))
         chunk.error = out.error
     return chunk
 

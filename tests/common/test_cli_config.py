@@ -49,3 +49,15 @@ def test_bad_values_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EPD_DEMO_VERBOSE")
     with pytest.raises(ValueError, match="port must be"):
         from_cli_args(DemoConfig, parse(["--port", "-1"]), "EPD_DEMO_")
+
+
+def test_flag_prefix_namespaces_nested_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser, DemoConfig, "EPD_DEMO_")
+    add_cli_args(parser, DemoConfig, "EPD_INNER_", flag_prefix="inner")
+    monkeypatch.setenv("EPD_INNER_NAME", "from-env")
+    args = parser.parse_args(["--port", "3", "--inner-port", "4"])
+    outer = from_cli_args(DemoConfig, args, "EPD_DEMO_")
+    inner = from_cli_args(DemoConfig, args, "EPD_INNER_", flag_prefix="inner")
+    assert (outer.port, outer.name) == (3, "x")
+    assert (inner.port, inner.name) == (4, "from-env")

@@ -14,7 +14,7 @@ from services.encoder.server import add_arguments, config_from_args
 @pytest.mark.parametrize(
     "bad",
     [{"max_images": 0}, {"max_aspect_ratio": 0.5}, {"min_pixels": 10, "max_pixels": 5},
-     {"sender": "carrier-pigeon"}, {"device": "tpu"}, {"grpc_port": 70000}],
+     {"sender": "carrier-pigeon"}, {"device": "tpu"}, {"port": 70000}],
 )  # fmt: skip
 def test_validation(bad):
     with pytest.raises(ValueError):

@@ -24,8 +24,8 @@ def server_address(qwen25_dir):
     env = dict(os.environ, GLOG_minloglevel="2", EPD_ENCODER_MAX_IMAGES="2")
     cmd = [
         sys.executable, "-m", "services.encoder.server",
-        "--model-path", str(qwen25_dir), "--device", "cpu", "--grpc-port", "0",
-        "--sender", "transfer", "--num-blocks", "16", "--transport", "shm",
+        "--model-path", str(qwen25_dir), "--device", "cpu", "--port", "0",
+        "--sender", "transfer", "--transfer-num-blocks", "16", "--transfer-transport", "shm",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True

@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.models.hf_reference import HFReference
+from common.transfer.config import TransferConfig
 from protos.epd.v1 import common_pb2, language_pb2, language_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +74,7 @@ def test_health_and_streaming_generate(server):
     assert again[-1].usage.cached_tokens >= 0.9 * final.usage.prompt_tokens
     load = stub.GetLoad(language_pb2.LanguageLoadRequest())
     assert load.num_kv_slots_total == 4096 and load.num_radix_hit_tokens > 0
-    assert load.num_running == 0 and load.num_free_transfer_blocks == -1
+    assert load.num_running == 0 and load.num_free_transfer_blocks == TransferConfig().num_blocks
 
 
 def test_invalid_arguments(server):

@@ -19,6 +19,7 @@ class CacheManager:
         self.allocator = allocator
         self.cache = prefix_cache
         self.num_hit_tokens = 0  # prompt tokens served from the radix cache, lifetime
+        self.num_evicted_tokens = 0  # tokens evicted from the radix cache, lifetime
 
     @property
     def num_available(self) -> int:
@@ -33,7 +34,9 @@ class CacheManager:
         """``num_tokens`` fresh slots, evicting LRU radix leaves first; None if impossible."""
         shortfall = num_tokens - self.allocator.num_free
         if shortfall > 0:
-            self.allocator.free(self.cache.evict(shortfall))
+            evicted = self.cache.evict(shortfall)
+            self.num_evicted_tokens += len(evicted)
+            self.allocator.free(evicted)
         return self.allocator.alloc(num_tokens)
 
     def admit(self, req: Request) -> None:

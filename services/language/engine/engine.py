@@ -33,6 +33,14 @@ class EngineLoad:
     num_kv_slots_total: int
     num_radix_hit_tokens: int
     num_radix_tokens: int
+    num_evicted_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+def _span(start: float, end: float) -> float:
+    """Seconds from ``start`` to ``end``; 0 while either has not happened."""
+    return end - start if start and end else 0.0
 
 
 def resolve_device(config: LanguageConfig) -> tuple[torch.device, torch.dtype]:
@@ -63,6 +71,8 @@ class LanguageEngine:
             self.cache_manager, config.chunk_size, config.max_running_requests
         )
         self.runner = ModelRunner(self.model, kv_pool, self.device)
+        self.num_prefill_tokens = 0  # prompt tokens computed, lifetime
+        self.num_decode_tokens = 0  # tokens computed while decoding, lifetime
         self.requests: dict[str, Request] = {}
         self.receiving: dict[int, Request] = {}  # room -> request waiting for embeddings
         self.embedding_source = embedding_source  # where rooms' embeddings come from
@@ -146,6 +156,11 @@ class LanguageEngine:
         outputs = self._poll_embeddings()
         batch = self.scheduler.schedule()
         if batch.chunks:
+            for chunk in batch.chunks:
+                if chunk.req.status == RequestStatus.DECODE:
+                    self.num_decode_tokens += chunk.end - chunk.start
+                else:
+                    self.num_prefill_tokens += chunk.end - chunk.start
             logits = self.runner.run(batch.chunks)
             outputs += self.postprocess(batch, logits)
         return outputs
@@ -222,8 +237,12 @@ class LanguageEngine:
             num_prompt_tokens=req.prompt_len if req.inputs is not None else 0,
             num_cached_tokens=req.num_cached_tokens,
             num_completion_tokens=len(req.output_ids),
-            ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else 0.0,
+            ttft_s=_span(req.arrival_time, req.first_token_time),
             total_s=now - req.arrival_time,
+            receive_s=_span(req.arrival_time, req.inputs_time),
+            queue_s=_span(req.inputs_time, req.prefill_start_time),
+            prefill_s=_span(req.prefill_start_time, req.first_token_time),
+            provenance=dict(req.inputs.provenance) if req.inputs is not None else {},
             error=error,
         )
 
@@ -238,4 +257,7 @@ class LanguageEngine:
             num_kv_slots_total=cm.allocator.num_slots,
             num_radix_hit_tokens=cm.num_hit_tokens,
             num_radix_tokens=info.evictable_size + info.protected_size,
+            num_evicted_tokens=cm.num_evicted_tokens,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens,
         )

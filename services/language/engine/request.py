@@ -56,6 +56,10 @@ class RequestOutput:
     num_completion_tokens: int = 0
     ttft_s: float = 0.0  # arrival -> first token
     total_s: float = 0.0  # arrival -> finish
+    receive_s: float = 0.0  # arrival -> prompt complete (waiting for the encoder's embeddings)
+    queue_s: float = 0.0  # prompt complete -> admitted to prefill
+    prefill_s: float = 0.0  # admitted to prefill -> first token
+    provenance: dict[str, float] = field(default_factory=dict)  # see PromptInputs.provenance
     error: str = ""
 
     @property
@@ -81,6 +85,8 @@ class Request:
     sampler: SamplerState | None = None
     finish_reason: FinishReason = FinishReason.NONE
     arrival_time: float = field(default_factory=time.monotonic)
+    inputs_time: float = 0.0  # prompt complete (embeddings received, or at once for text)
+    prefill_start_time: float = 0.0  # first admitted to prefill
     first_token_time: float = 0.0
 
     def set_inputs(self, inputs: PromptInputs, vocab_size: int) -> None:
@@ -93,6 +99,7 @@ class Request:
                 f"{inputs.image_rows.shape[0]} image rows"
             )
         self.sampler = SamplerState.create(self.params)
+        self.inputs_time = time.monotonic()
 
     @property
     def prompt_len(self) -> int:

@@ -13,6 +13,7 @@ Policy, in order:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -107,6 +108,8 @@ class Scheduler:
             self.cm.release(req)
             return False
         req.status = RequestStatus.PREFILL
+        if not req.prefill_start_time:
+            req.prefill_start_time = time.monotonic()
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

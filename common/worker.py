@@ -1,0 +1,69 @@
+"""What every worker process has besides its own service: registration and metrics.
+
+``WorkerConfig`` is nested in the encoder's and the language worker's configs (same flags, each
+under its role's env prefix). ``WorkerRuntime`` starts the heartbeat to the gateway and the
+Prometheus endpoint, and stops both on shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.cli_config import field
+from common.registration import Registrar
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    gateway: str = field("", help="gateway host:port to register with ('' = static list only)")
+    advertise_host: str = field(
+        "", help="address the gateway reaches this worker at ('' = the bind host)"
+    )
+    capacity: int = field(64, help="requests this worker takes at once (routing hint)")
+    heartbeat_interval_s: float = field(1.0, help="seconds between heartbeats to the gateway")
+    metrics_port: int = field(0, help="Prometheus metrics HTTP port (0 = off)")
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1 or self.heartbeat_interval_s <= 0:
+            raise ValueError("capacity and heartbeat_interval_s must be positive")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port out of range: {self.metrics_port}")
+
+
+class WorkerRuntime:
+    """Heartbeat + metrics endpoint of one worker; ``stop()`` deregisters first."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        role: str,
+        bind_host: str,
+        port: int,
+        load_fn: Callable[[], dict[str, float]],
+        info: dict[str, str] | None = None,
+        registry=None,
+    ) -> None:
+        self.address = f"{config.advertise_host or bind_host}:{port}"
+        self._registrar: Registrar | None = None
+        self._metrics = None
+        if config.metrics_port and registry is not None:
+            from common.metrics import start_metrics_server
+
+            self._metrics = start_metrics_server(config.metrics_port, registry)
+        if config.gateway:
+            self._registrar = Registrar(
+                config.gateway,
+                self.address,
+                role,
+                config.capacity,
+                load_fn,
+                info,
+                config.heartbeat_interval_s,
+            ).start()
+
+    def stop(self) -> None:
+        if self._registrar is not None:
+            self._registrar.stop()
+        if self._metrics is not None:
+            self._metrics.shutdown()
