@@ -40,8 +40,12 @@ def _load(worker: Worker) -> tuple[float, int, str]:
 
 class BasePolicy(ABC):
     @abstractmethod
+    def choose(self, workers: list[Worker], key: RoutingKey) -> tuple[list[Worker], str]:
+        """``workers`` in order of preference for ``key``, and why the first was chosen
+        ("affinity", "load" or "round_robin")."""
+
     def order(self, workers: list[Worker], key: RoutingKey) -> list[Worker]:
-        """``workers`` in order of preference for ``key``."""
+        return self.choose(workers, key)[0]
 
     def on_routed(self, worker: Worker, key: RoutingKey) -> None:  # noqa: B027 - optional hook
         """Called once the request went to ``worker``."""
@@ -51,26 +55,28 @@ class RoundRobinPolicy(BasePolicy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def order(self, workers: list[Worker], key: RoutingKey) -> list[Worker]:
+    def choose(self, workers: list[Worker], key: RoutingKey) -> tuple[list[Worker], str]:
         if not workers:
-            return []
+            return [], "round_robin"
         ordered = sorted(workers, key=lambda w: w.address)
         start = next(self._counter) % len(ordered)
-        return ordered[start:] + ordered[:start]
+        return ordered[start:] + ordered[:start], "round_robin"
 
 
 class LeastLoadPolicy(BasePolicy):
-    def order(self, workers: list[Worker], key: RoutingKey) -> list[Worker]:
-        return sorted(workers, key=_load)
+    def choose(self, workers: list[Worker], key: RoutingKey) -> tuple[list[Worker], str]:
+        return sorted(workers, key=_load), "load"
 
 
-def _prefer_within_slack(preferred: Worker | None, workers: list[Worker], slack: int):
+def _prefer_within_slack(
+    preferred: Worker | None, workers: list[Worker], slack: int
+) -> tuple[list[Worker], str]:
     by_load = sorted(workers, key=_load)
     if preferred is None or not by_load:
-        return by_load
+        return by_load, "load"
     if preferred.in_flight > by_load[0].in_flight + slack:
-        return by_load
-    return [preferred] + [w for w in by_load if w is not preferred]
+        return by_load, "load"
+    return [preferred] + [w for w in by_load if w is not preferred], "affinity"
 
 
 class EncoderAffinityPolicy(BasePolicy):
@@ -79,9 +85,9 @@ class EncoderAffinityPolicy(BasePolicy):
     def __init__(self, slack: int) -> None:
         self._slack = slack
 
-    def order(self, workers: list[Worker], key: RoutingKey) -> list[Worker]:
+    def choose(self, workers: list[Worker], key: RoutingKey) -> tuple[list[Worker], str]:
         if not key.image_hashes:
-            return sorted(workers, key=_load)
+            return sorted(workers, key=_load), "load"
         digest = b"".join(key.image_hashes)
         preferred = max(
             workers,
@@ -110,7 +116,7 @@ class CacheAwarePolicy(BasePolicy):
                     return i
         return 0
 
-    def order(self, workers: list[Worker], key: RoutingKey) -> list[Worker]:
+    def choose(self, workers: list[Worker], key: RoutingKey) -> tuple[list[Worker], str]:
         best, best_len = None, 0
         for worker in sorted(workers, key=_load):
             n = self.match_len(worker, key)

@@ -1,0 +1,83 @@
+"""Bounded admission and the table of requests in flight (for Abort).
+
+A request is admitted only while fewer than ``max_queued`` are in flight; beyond that the
+gateway answers RESOURCE_EXHAUSTED at once instead of queueing without bound. Each admitted
+request registers the calls it made on workers so that ``Abort`` (or the client going away)
+cancels all of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class QueueFull(Exception):
+    pass
+
+
+class DuplicateRequest(Exception):
+    pass
+
+
+@dataclass
+class Admitted:
+    """One request in flight."""
+
+    request_id: str
+    admitted_at: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    _cancels: list[Callable[[], object]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def on_cancel(self, cancel: Callable[[], object]) -> None:
+        """Register a call's cancel; runs at once if the request is already cancelled."""
+        with self._lock:
+            if not self.cancelled:
+                self._cancels.append(cancel)
+                return
+        cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            cancels, self._cancels = self._cancels, []
+        for cancel in cancels:
+            cancel()
+
+
+class Admission:
+    def __init__(self, max_queued: int) -> None:
+        self._max = max_queued
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, Admitted] = {}
+
+    def admit(self, request_id: str = "") -> Admitted:
+        request_id = request_id or uuid.uuid4().hex
+        with self._lock:
+            if len(self._in_flight) >= self._max:
+                raise QueueFull(f"gateway queue is full ({self._max} requests in flight)")
+            if request_id in self._in_flight:
+                raise DuplicateRequest(f"request id {request_id!r} is already in flight")
+            admitted = self._in_flight[request_id] = Admitted(request_id)
+        return admitted
+
+    def finish(self, admitted: Admitted) -> None:
+        with self._lock:
+            self._in_flight.pop(admitted.request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            admitted = self._in_flight.get(request_id)
+        if admitted is None:
+            return False
+        admitted.cancel()
+        return True
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)

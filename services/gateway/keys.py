@@ -1,0 +1,46 @@
+"""Routing keys from a request, computed without decoding any image.
+
+An image is identified by a hash of its source as sent (bytes, base64 text, path or URL): cheap,
+and stable for the repeated images affinity is for. The prompt's parts (role markers, text,
+images) are hashed cumulatively so that a shared leading part gives a shared prefix hash.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+from protos.epd.v1 import common_pb2
+from services.gateway.routing import RoutingKey
+
+
+def image_source_hash(image: common_pb2.ImageSource) -> bytes:
+    which = image.WhichOneof("source")
+    if which is None:
+        raise ValueError("image has no source (set data, base64, path or url)")
+    value = getattr(image, which)
+    raw = value if isinstance(value, bytes) else value.encode()
+    return xxhash.xxh3_128_digest(raw, seed=len(which))
+
+
+def routing_key(messages: list[common_pb2.ChatMessage]) -> RoutingKey:
+    images: list[bytes] = []
+    prefix: list[int] = []
+    state = xxhash.xxh3_64()
+    for message in messages:
+        state.update(b"\x00role:" + message.role.encode())
+        for part in message.content:
+            which = part.WhichOneof("part")
+            if which == "image":
+                digest = image_source_hash(part.image)
+                images.append(digest)
+                state.update(b"\x00img:" + digest)
+            elif which == "text":
+                state.update(b"\x00txt:" + part.text.encode())
+            else:
+                continue
+            prefix.append(state.intdigest())
+    return RoutingKey(image_hashes=tuple(images), prefix_hashes=tuple(prefix))
+
+
+def num_images(messages: list[common_pb2.ChatMessage]) -> int:
+    return sum(p.WhichOneof("part") == "image" for m in messages for p in m.content)

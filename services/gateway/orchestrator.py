@@ -1,0 +1,254 @@
+"""One request's path through the pools.
+
+Text only: a language worker is chosen (cache-aware, then load) and streams the answer.
+With images: the gateway creates a room (a random 63-bit id), chooses an encoder (image
+affinity, then load) and a language worker, and starts both halves at once — the encoder gets
+the messages, the language worker the room, the encoder's transfer endpoint and the sampling
+parameters. If the encoder refuses or is unreachable before anything was transferred, the
+language half is cancelled (which frees its room) and the request is retried on the next encoder
+with a fresh room. The language stream is the request's single source of truth: every request
+ends with exactly one terminal status.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from protos.epd.v1 import common_pb2, gateway_pb2
+from services.gateway import workers as calls
+from services.gateway.admission import Admitted
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import GatewayError
+from services.gateway.keys import num_images, routing_key
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.registry import Role, Worker, WorkerRegistry
+from services.gateway.routing import BasePolicy, RoutingKey
+
+ROLES_ALLOWED = ("system", "user", "assistant")
+RETRY_ENCODER_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ALREADY_EXISTS,
+)
+
+
+@dataclass
+class Dispatch:
+    """The workers serving one request, and when it was sent to them."""
+
+    language: Worker
+    encoder: Worker | None
+    sent_at: float
+    call: object  # the language worker's streaming call
+
+
+def validate(request: gateway_pb2.GenerateRequest) -> None:
+    if not request.messages:
+        raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty")
+    for i, message in enumerate(request.messages):
+        if message.role not in ROLES_ALLOWED:
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"messages[{i}].role {message.role!r} is not one of {', '.join(ROLES_ALLOWED)}",
+            )
+        for j, part in enumerate(message.content):
+            which = part.WhichOneof("part")
+            if which is None:
+                raise GatewayError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].content[{j}] is empty"
+                )
+            if which == "image" and part.image.WhichOneof("source") is None:
+                raise GatewayError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"messages[{i}].content[{j}].image has no source",
+                )
+    s = request.sampling
+    if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < -1:
+        raise GatewayError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling: temperature must be >= 0, top_p in [0, 1], top_k >= -1",
+        )
+
+
+def _status_from_rpc(exc: grpc.RpcError, who: str) -> GatewayError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    return GatewayError(code, f"{who}: {exc.details() if hasattr(exc, 'details') else exc}")
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        registry: WorkerRegistry,
+        encoder_policy: BasePolicy,
+        language_policy: BasePolicy,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.encoder_policy = encoder_policy
+        self.language_policy = language_policy
+        self.metrics = metrics
+
+    # ---- entry point --------------------------------------------------------------------
+    def run(
+        self, request: gateway_pb2.GenerateRequest, admitted: Admitted, deadline: float
+    ) -> Iterator[gateway_pb2.GenerateChunk]:
+        """Stream the answer to ``request``; raises ``GatewayError`` with the terminal status."""
+        validate(request)
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        if not sampling.max_new_tokens:
+            sampling.max_new_tokens = self.config.default_max_new_tokens
+        key = routing_key(list(request.messages))
+        language = self._choose(Role.LANGUAGE, key)[0]
+        if num_images(list(request.messages)) == 0:
+            self.metrics.routing.labels("encoder", "text_only").inc()
+            call = calls.generate(
+                language,
+                admitted.request_id,
+                sampling,
+                self._remaining(deadline),
+                messages=request.messages,
+            )
+            dispatch = Dispatch(language, None, time.monotonic(), call)
+        else:
+            dispatch = self._dispatch_with_images(
+                request, sampling, key, language, admitted, deadline
+            )
+        self.language_policy.on_routed(language, key)
+        yield from self._stream(dispatch, admitted)
+
+    # ---- routing ------------------------------------------------------------------------
+    def _choose(self, role: Role, key: RoutingKey) -> list[Worker]:
+        policy = self.encoder_policy if role == Role.ENCODER else self.language_policy
+        ordered, reason = policy.choose(self.registry.healthy(role), key)
+        if not ordered:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role.value} worker")
+        self.metrics.routing.labels(role.value, reason).inc()
+        return ordered
+
+    def _remaining(self, deadline: float) -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        return remaining
+
+    def _transfer_endpoint(self, encoder: Worker) -> str:
+        endpoint = encoder.info.get("transfer_endpoint", "")
+        if not endpoint:  # a static encoder not polled yet
+            healthy, load, info = calls.poll(encoder, timeout_s=2.0)
+            self.registry.mark(encoder.address, healthy, load, info)
+            endpoint = info.get("transfer_endpoint", "")
+        return endpoint
+
+    def _dispatch_with_images(
+        self,
+        request,
+        sampling,
+        key: RoutingKey,
+        language: Worker,
+        admitted: Admitted,
+        deadline: float,
+    ) -> Dispatch:
+        encoders = self._choose(Role.ENCODER, key)[: 1 + self.config.encoder_retries]
+        last_error: GatewayError | None = None
+        for attempt, encoder in enumerate(encoders):
+            if attempt:
+                self.metrics.routing.labels("encoder", "retry").inc()
+            endpoint = self._transfer_endpoint(encoder)
+            if not endpoint:
+                last_error = GatewayError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"encoder {encoder.address} has no transfer endpoint",
+                )
+                continue
+            room = secrets.randbits(63) or 1
+            lang_id = admitted.request_id if attempt == 0 else f"{admitted.request_id}#{attempt}"
+            timeout_s = self._remaining(deadline)
+            call = calls.generate(
+                language, lang_id, sampling, timeout_s, room=room, encoder_endpoint=endpoint
+            )
+            admitted.on_cancel(call.cancel)
+            encoded = calls.encode(encoder, room, admitted.request_id, request.messages, timeout_s)
+            admitted.on_cancel(encoded.cancel)
+            try:
+                encoded.result()
+            except grpc.RpcError as exc:
+                call.cancel()  # the language worker aborts the room and frees its blocks
+                last_error = _status_from_rpc(exc, f"encoder {encoder.address}")
+                if admitted.cancelled:
+                    raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted") from None
+                if exc.code() in RETRY_ENCODER_CODES:
+                    continue
+                raise last_error from None
+            self.encoder_policy.on_routed(encoder, key)
+            return Dispatch(language, encoder, time.monotonic(), call)
+        assert last_error is not None
+        raise last_error
+
+    # ---- the answer ---------------------------------------------------------------------
+    def _stream(
+        self, dispatch: Dispatch, admitted: Admitted
+    ) -> Iterator[gateway_pb2.GenerateChunk]:
+        start = admitted.admitted_at
+        self.metrics.queue.observe(dispatch.sent_at - start)
+        workers = [w for w in (dispatch.language, dispatch.encoder) if w is not None]
+        for w in workers:
+            self.registry.acquire(w)
+        first_token_at = last_token_at = 0.0
+        try:
+            for chunk in dispatch.call:
+                now = time.monotonic()
+                if chunk.token_ids:
+                    if not first_token_at:
+                        first_token_at = now
+                        self.metrics.ttft.observe(now - start)
+                    else:
+                        self.metrics.itl.observe((now - last_token_at) / len(chunk.token_ids))
+                    last_token_at = now
+                out = gateway_pb2.GenerateChunk(
+                    request_id=admitted.request_id, text=chunk.text, token_ids=chunk.token_ids
+                )
+                if chunk.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    raise GatewayError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"language worker {dispatch.language.address}: {chunk.error or 'failed'}",
+                    )
+                if chunk.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                    raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted")
+                if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    self._finalize(out, chunk, dispatch, start, first_token_at)
+                yield out
+        except grpc.RpcError as exc:
+            if admitted.cancelled:
+                raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted") from None
+            raise _status_from_rpc(exc, f"language worker {dispatch.language.address}") from None
+        finally:
+            for w in workers:
+                self.registry.release(w)
+            dispatch.call.cancel()
+
+    def _finalize(self, out, chunk, dispatch: Dispatch, start: float, first_token_at: float):
+        now = time.monotonic()
+        out.finish_reason = chunk.finish_reason
+        out.usage.prompt_tokens = chunk.usage.prompt_tokens
+        out.usage.cached_tokens = chunk.usage.cached_tokens
+        out.usage.completion_tokens = chunk.usage.completion_tokens
+        lt, t = chunk.timing, out.timing
+        t.queue_s = dispatch.sent_at - start
+        t.encode_s = lt.encode_seconds
+        t.transfer_s = lt.transfer_seconds
+        t.prefill_s = lt.prefill_seconds
+        t.first_token_s = (first_token_at - start) if first_token_at else 0.0
+        t.total_s = now - start
+        t.num_transfers = lt.num_transfers
+        t.encoder_cache_hits = lt.num_encoder_cache_hits
+        out.language = dispatch.language.address
+        out.encoder = dispatch.encoder.address if dispatch.encoder is not None else ""
+        self.metrics.e2e.observe(now - start)

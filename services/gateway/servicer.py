@@ -1,0 +1,122 @@
+"""Thin gRPC servicers of the gateway: the public API and the worker registry."""
+
+from __future__ import annotations
+
+import grpc
+
+from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
+from services.gateway.admission import Admission, DuplicateRequest, QueueFull
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import GatewayError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.orchestrator import Orchestrator
+from services.gateway.registry import ROLES, Role, WorkerRegistry
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        admission: Admission,
+        orchestrator: Orchestrator,
+        registry: WorkerRegistry,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config = config
+        self.admission = admission
+        self.orchestrator = orchestrator
+        self.registry = registry
+        self.metrics = metrics
+
+    def Generate(self, request, context):  # noqa: N802
+        try:
+            admitted = self.admission.admit(request.request_id)
+        except QueueFull as exc:
+            self.metrics.requests.labels("RESOURCE_EXHAUSTED").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except DuplicateRequest as exc:
+            self.metrics.requests.labels("ALREADY_EXISTS").inc()
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        context.add_callback(admitted.cancel)  # client gone or deadline: cancel both halves
+        remaining = context.time_remaining()
+        timeout_s = (
+            min(remaining, self.config.default_timeout_s)
+            if remaining
+            else (self.config.default_timeout_s)
+        )
+        outcome = "OK"
+        try:
+            yield from self.orchestrator.run(request, admitted, admitted.admitted_at + timeout_s)
+        except GatewayError as exc:
+            outcome = exc.code.name
+            context.abort(exc.code, exc.message)
+        finally:
+            if not context.is_active() and outcome == "OK" and admitted.cancelled:
+                outcome = "CANCELLED"
+            self.metrics.requests.labels(outcome).inc()
+            self.admission.finish(admitted)
+
+    def GenerateUnary(self, request, context):  # noqa: N802
+        reply = gateway_pb2.GenerateResponse()
+        for chunk in self.Generate(request, context):
+            reply.request_id = chunk.request_id
+            reply.text += chunk.text
+            reply.token_ids.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                for name in ("finish_reason", "encoder", "language"):
+                    setattr(reply, name, getattr(chunk, name))
+                reply.usage.CopyFrom(chunk.usage)
+                reply.timing.CopyFrom(chunk.timing)
+        return reply
+
+    def Abort(self, request, context):  # noqa: N802
+        if not request.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if not self.admission.abort(request.request_id):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} in flight")
+        return gateway_pb2.AbortResponse(aborted=True)
+
+    def ListWorkers(self, request, context):  # noqa: N802
+        return gateway_pb2.ListWorkersResponse(
+            workers=[
+                gateway_pb2.WorkerInfo(
+                    address=w.address,
+                    role=w.role.value,
+                    healthy=w.healthy,
+                    capacity=w.capacity,
+                    in_flight=w.in_flight,
+                    last_seen_s=self.registry.age_s(w),
+                    load=w.load,
+                    static=w.static,
+                    info=w.info,
+                )
+                for w in sorted(self.registry.all(), key=lambda w: (w.role.value, w.address))
+            ]
+        )
+
+
+class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
+    def __init__(self, registry: WorkerRegistry, interval_s: float) -> None:
+        self.registry = registry
+        self.interval_s = interval_s
+
+    def Heartbeat(self, request, context):  # noqa: N802
+        if request.role not in ROLES:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"role {request.role!r} is not one of {', '.join(ROLES)}",
+            )
+        if not request.address or ":" not in request.address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address must be host:port")
+        self.registry.heartbeat(
+            request.address,
+            Role(request.role),
+            max(request.capacity, 1),
+            dict(request.load),
+            dict(request.info),
+        )
+        return registry_pb2.HeartbeatResponse(interval_s=self.interval_s)
+
+    def Deregister(self, request, context):  # noqa: N802
+        self.registry.deregister(request.address)
+        return registry_pb2.DeregisterResponse()

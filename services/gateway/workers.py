@@ -1,0 +1,99 @@
+"""Calls from the gateway to the workers, over each worker's long-lived channel.
+
+Thin wrappers that turn protos into calls and keep the stubs next to the channel. Failures come
+back as ``grpc.RpcError``; deciding what they mean is the orchestrator's job.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.epd.v1 import (
+    common_pb2,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    language_pb2,
+    language_pb2_grpc,
+)
+from services.gateway.registry import Role, Worker
+
+
+def create_channel(address: str, max_message_mb: int = 64) -> grpc.Channel:
+    max_bytes = max_message_mb << 20
+    return grpc.insecure_channel(
+        address,
+        options=[
+            ("grpc.max_send_message_length", max_bytes),
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+        ],
+    )
+
+
+def encode(worker: Worker, room: int, request_id: str, messages, timeout_s: float) -> grpc.Future:
+    """Start ``Encoder.Encode``; the future resolves once the encoder accepted or refused."""
+    stub = encoder_pb2_grpc.EncoderStub(worker.channel)
+    request = encoder_pb2.EncodeRequest(room=room, request_id=request_id, messages=messages)
+    return stub.Encode.future(request, timeout=timeout_s)
+
+
+def generate(
+    worker: Worker,
+    request_id: str,
+    sampling: common_pb2.SamplingParams,
+    timeout_s: float,
+    room: int = 0,
+    encoder_endpoint: str = "",
+    messages=(),
+):
+    """Start ``LanguageService.Generate``; returns the streaming call (iterable, cancellable)."""
+    stub = language_pb2_grpc.LanguageServiceStub(worker.channel)
+    request = language_pb2.LanguageGenerateRequest(
+        request_id=request_id,
+        room=room,
+        encoder_endpoint=encoder_endpoint,
+        messages=list(messages),
+        sampling=sampling,
+    )
+    return stub.Generate(request, timeout=timeout_s)
+
+
+def poll(worker: Worker, timeout_s: float) -> tuple[bool, dict[str, float], dict[str, str]]:
+    """Health plus load of one worker: (healthy, load figures, info)."""
+    try:
+        reply = health_pb2_grpc.HealthStub(worker.channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=timeout_s
+        )
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return False, {}, {}
+        if worker.role == Role.ENCODER:
+            load = encoder_pb2_grpc.EncoderStub(worker.channel).GetLoad(
+                encoder_pb2.GetLoadRequest(), timeout=timeout_s
+            )
+            return (
+                True,
+                {
+                    "queue_depth": float(load.num_queued_requests),
+                    "queued_images": float(load.num_queued_images),
+                    "free_blocks": float(load.free_blocks),
+                },
+                {"transfer_endpoint": load.sender_endpoint},
+            )
+        load = language_pb2_grpc.LanguageServiceStub(worker.channel).GetLoad(
+            language_pb2.LanguageLoadRequest(), timeout=timeout_s
+        )
+        return (
+            True,
+            {
+                "running": float(load.num_running),
+                "waiting": float(load.num_waiting),
+                "receiving": float(load.num_receiving),
+                "kv_slots_used": float(load.num_kv_slots_used),
+                "kv_slots_total": float(load.num_kv_slots_total),
+            },
+            {},
+        )
+    except grpc.RpcError:
+        return False, {}, {}
