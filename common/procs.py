@@ -41,15 +41,23 @@ def check_health(address: str, timeout_s: float = 1.0, service: str = "") -> boo
 class ServiceProcess:
     """One ``epd serve ...`` child process, its log file and its gRPC address."""
 
-    def __init__(self, name: str, args: list[str], address: str, log_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        address: str,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.address = address
         self.log_path = Path(log_dir) / f"{name}.log"
-        env = dict(
-            os.environ,
-            GLOG_minloglevel=os.environ.get("GLOG_minloglevel", "2"),
-            PYTHONUNBUFFERED="1",
-        )
+        env = {
+            **os.environ,
+            "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2"),
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *args],
