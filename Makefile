@@ -9,12 +9,18 @@ PYTEST_ARGS ?=
 
 .PHONY: setup apt proto run test test-slow lint bench clean
 
-setup: $(STAMP) proto
+setup: apt $(STAMP) proto
 
+# libibverbs1: Mooncake's transfer engine links it. prometheus: the metrics/dashboard tests.
 apt:
-	@if ! ldconfig -p | grep -q libibverbs.so.1; then \
-	  echo "installing libibverbs1 (Mooncake needs it)"; \
-	  (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; \
+	@missing=""; \
+	ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
+	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  ($$SUDO apt-get update -qq || true) && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
 $(STAMP): requirements.txt pyproject.toml

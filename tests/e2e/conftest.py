@@ -50,6 +50,7 @@ class Stack:
     encoders: list[ServiceProcess]
     languages: list[ServiceProcess]
     procs: list[ServiceProcess] = field(default_factory=list)
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     def client(self) -> GatewayClient:
         return GatewayClient(self.gateway.address)
@@ -121,52 +122,34 @@ def start_stack(
     gateway_args: tuple[str, ...] = (),
     worker_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    metrics: bool = False,
 ) -> Stack:
+    """Start and wait until every worker is registered. With ``metrics``, each process serves
+    Prometheus metrics on a free port, recorded in ``Stack.metrics_ports`` by process name."""
     env = {**FAST_TRANSFER_ENV, **(env or {})}
+    metrics_ports: dict[str, int] = {}
+
+    def metrics_args(name: str) -> list[str]:
+        if not metrics:
+            return []
+        metrics_ports[name] = free_port()
+        return ["--metrics-port", str(metrics_ports[name])]
+
     port = free_port()
-    gateway = ServiceProcess(
-        "gateway",
-        [
-            "serve",
-            "gateway",
-            "--port",
-            str(port),
-            "--worker-expiry-s",
-            "3",
-            "--health-poll-s",
-            "0.5",
-            *gateway_args,
-        ],
-        f"127.0.0.1:{port}",
-        log_dir,
-        env,
-    )
-    stack = Stack(gateway, [], [], [gateway])
+    gateway_cmd = ["serve", "gateway", "--port", str(port), "--worker-expiry-s", "3",
+                   "--health-poll-s", "0.5", *metrics_args("gateway"), *gateway_args]  # fmt: skip
+    gateway = ServiceProcess("gateway", gateway_cmd, f"127.0.0.1:{port}", log_dir, env)
+    stack = Stack(gateway, [], [], [gateway], metrics_ports)
     for role, count, group in (
         ("encoder", num_encoders, stack.encoders),
         ("language", num_languages, stack.languages),
     ):
         for i in range(count):
-            wport = free_port()
-            proc = ServiceProcess(
-                f"{role}-{i}",
-                [
-                    "serve",
-                    role,
-                    "--model-path",
-                    str(model_dir),
-                    "--port",
-                    str(wport),
-                    "--gateway",
-                    gateway.address,
-                    "--heartbeat-interval-s",
-                    "0.5",
-                    *worker_args,
-                ],
-                f"127.0.0.1:{wport}",
-                log_dir,
-                env,
-            )
+            name, wport = f"{role}-{i}", free_port()
+            cmd = ["serve", role, "--model-path", str(model_dir), "--port", str(wport),
+                   "--gateway", gateway.address, "--heartbeat-interval-s", "0.5",
+                   *metrics_args(name), *worker_args]  # fmt: skip
+            proc = ServiceProcess(name, cmd, f"127.0.0.1:{wport}", log_dir, env)
             group.append(proc)
             stack.procs.append(proc)
     try:
