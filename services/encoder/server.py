@@ -85,15 +85,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     server, service, port = serve(args.model_path, config)
     endpoint = service.sender.endpoint
-    runtime = WorkerRuntime(
-        config.worker,
-        "encoder",
-        config.host,
-        port,
-        lambda: load_figures(service),
-        info={"transfer_endpoint": endpoint},
-        registry=create_registry(service),
-    )
+    runtime = start_runtime(config, service, port)
     print(f"encoder listening on {config.host}:{port} sender={endpoint}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -103,6 +95,19 @@ def run(args: argparse.Namespace) -> int:
     server.stop(grace=5).wait()
     service.close()
     return 0
+
+
+def start_runtime(config: EncoderConfig, service: EncoderService, port: int) -> WorkerRuntime:
+    """Registration with the gateway and the metrics endpoint of a serving encoder."""
+    return WorkerRuntime(
+        config.worker,
+        "encoder",
+        config.host,
+        port,
+        lambda: load_figures(service),
+        info={"transfer_endpoint": service.sender.endpoint},
+        registry=create_registry(service),
+    )
 
 
 def load_figures(service: EncoderService) -> dict[str, float]:

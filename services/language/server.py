@@ -106,6 +106,18 @@ def serve_with_receiver(config: LanguageConfig) -> LanguageServer:
     return serve(config, create_receiver_source(model_config, config.transfer))
 
 
+def start_runtime(config: LanguageConfig, handle: LanguageServer) -> WorkerRuntime:
+    """Registration with the gateway and the metrics endpoint of a serving worker."""
+    return WorkerRuntime(
+        config.worker,
+        "language",
+        config.host,
+        handle.port,
+        lambda: load_figures(handle),
+        registry=create_registry(handle),
+    )
+
+
 def load_figures(handle: LanguageServer) -> dict[str, float]:
     """The load numbers the worker heartbeats to the gateway."""
     load = handle.engine_thread.load()
@@ -124,14 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if not config.model_path:
         raise SystemExit("--model-path is required")
     handle = serve_with_receiver(config)
-    runtime = WorkerRuntime(
-        config.worker,
-        "language",
-        config.host,
-        handle.port,
-        lambda: load_figures(handle),
-        registry=create_registry(handle),
-    )
+    runtime = start_runtime(config, handle)
     print(f"language worker listening on {config.host}:{handle.port}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,167 @@
+"""``epd ray up``: the gateway and both pools as Ray actors.
+
+Each actor serves its role in-process, exactly as ``epd serve ROLE`` does, and the workers
+register with the gateway by heartbeat — the same path as on Kubernetes, so the gateway needs no
+list of addresses. Actors are restarted by Ray when they die (``max_restarts``); a restarted
+worker registers again and the gateway takes it back. Resources per role are flags
+(``--encoder-gpus`` etc.). On an existing cluster (``--address``) the actors are detached and
+named in the ``epd`` namespace, so they outlive this command; locally the command keeps the
+cluster up until Ctrl-C (``--once``: send the demo request, then tear everything down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+NAMESPACE = "epd"
+
+
+class ServiceActor:
+    """Runs one role in the actor's process. ``address()`` is where its gRPC server listens."""
+
+    def __init__(self, role: str, argv: list[str], on_cluster: bool) -> None:
+        from services.serve import ROLE_MODULES
+
+        self.role = role
+        self.host = "127.0.0.1"
+        if on_cluster:  # listen on every interface, advertise the node's address
+            import ray
+
+            self.host = ray.util.get_node_ip_address()
+            argv = [*argv, "--host", "0.0.0.0"]
+            if role != "gateway":
+                argv += ["--advertise-host", self.host, "--transfer-host", self.host]
+        self._stop = self._start(ROLE_MODULES[role], argv)
+
+    def _start(self, module_name: str, argv: list[str]):
+        import importlib
+
+        module = importlib.import_module(module_name)
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        args = parser.parse_args(argv)
+        if self.role == "gateway":
+            from common.cli_config import from_cli_args
+            from services.gateway.config import ENV_PREFIX, GatewayConfig
+
+            handle = module.serve(from_cli_args(GatewayConfig, args, ENV_PREFIX))
+            self.port = handle.port
+            return handle.stop
+        if self.role == "encoder":
+            config = module.config_from_args(args)
+            server, service, port = module.serve(args.model_path, config)
+            self.port = port
+            runtime = module.start_runtime(config, service, port)
+            return lambda: (runtime.stop(), server.stop(2).wait(), service.close())
+        config = module.config_from_args(args)
+        handle = module.serve_with_receiver(config)
+        self.port = handle.port
+        runtime = module.start_runtime(config, handle)
+        return lambda: (runtime.stop(), handle.stop())
+
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self._stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from common.models.tiny import ARCHS, DEFAULT_ARCH
+
+    parser.add_argument("action", choices=["up"], help="start the stack")
+    parser.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
+    parser.add_argument("--encoders", type=int, default=1)
+    parser.add_argument("--languages", type=int, default=1)
+    parser.add_argument("--model-path", help="checkpoint visible on every node (default: demo)")
+    parser.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH)
+    parser.add_argument("--gateway-port", type=int, default=50051)
+    parser.add_argument("--encoder-cpus", type=float, default=1.0)
+    parser.add_argument("--encoder-gpus", type=float, default=0.0)
+    parser.add_argument("--language-cpus", type=float, default=1.0)
+    parser.add_argument("--language-gpus", type=float, default=0.0)
+    parser.add_argument(
+        "--max-restarts", type=int, default=3, help="restarts of a dead actor (-1: forever)"
+    )
+    parser.add_argument("--num-cpus", type=int, default=None, help="local cluster only")
+    parser.add_argument("--once", action="store_true", help="send the demo request, then stop")
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+
+
+def _actor_options(args, role: str, cpus: float, gpus: float, index: int) -> dict:
+    options = {
+        "num_cpus": cpus,
+        "num_gpus": gpus,
+        "max_restarts": args.max_restarts,
+        "max_concurrency": 4,
+    }
+    if args.address:
+        options.update(name=f"{role}-{index}", namespace=NAMESPACE, lifetime="detached")
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from common.models.tiny import ensure_tiny_model
+    from services.launcher import run_demo, wait_registered
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    model_path = args.model_path or str(ensure_tiny_model(args.arch, "demo"))
+    runtime_env = {"env_vars": {"GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}}
+    if args.address:
+        ray.init(address=args.address, namespace=NAMESPACE, runtime_env=runtime_env)
+    else:
+        ray.init(
+            num_cpus=args.num_cpus,
+            include_dashboard=False,
+            namespace=NAMESPACE,
+            object_store_memory=256 << 20,
+            runtime_env=runtime_env,
+        )
+    on_cluster = bool(args.address)
+    actor_cls = ray.remote(ServiceActor)
+    actors = []
+    try:
+        gateway = actor_cls.options(**_actor_options(args, "gateway", 0.1, 0, 0)).remote(
+            "gateway", ["--port", str(args.gateway_port)], on_cluster
+        )
+        actors.append(gateway)
+        gateway_address = ray.get(gateway.address.remote(), timeout=args.startup_timeout)
+        print(f"gateway actor on {gateway_address}", flush=True)
+        worker_argv = ["--model-path", model_path, "--port", "0", "--gateway", gateway_address]
+        for role, count, cpus, gpus in (
+            ("encoder", args.encoders, args.encoder_cpus, args.encoder_gpus),
+            ("language", args.languages, args.language_cpus, args.language_gpus),
+        ):
+            for i in range(count):
+                actors.append(
+                    actor_cls.options(**_actor_options(args, role, cpus, gpus, i)).remote(
+                        role, worker_argv, on_cluster
+                    )
+                )
+        addresses = ray.get([a.address.remote() for a in actors[1:]], timeout=args.startup_timeout)
+        print("workers: " + ", ".join(addresses), flush=True)
+        wait_registered(gateway_address, args.encoders, args.languages, args.startup_timeout)
+        run_demo(gateway_address, max_tokens=16)
+        if args.once:
+            return 0
+        if args.address:
+            print("actors are detached in namespace 'epd'; this command can exit", flush=True)
+            return 0
+        print(f"serving on {gateway_address} (Ctrl-C to stop)", flush=True)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if args.once or not args.address:
+            for actor in reversed(actors):
+                try:
+                    ray.get(actor.stop.remote(), timeout=30)
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    pass
+                ray.kill(actor)
+            ray.shutdown()
