@@ -64,3 +64,16 @@ class BufferLayout:
             f"hidden={self.hidden_size} deepstack={self.num_deepstack} "
             f"dtype={dtype_name(self.dtype)} row_bytes={self.row_bytes}"
         )
+
+
+def layout_for(
+    config: object, hidden_size: int, num_deepstack: int = 0, dtype: torch.dtype = torch.float32
+) -> BufferLayout:
+    """The layout of a ``TransferConfig``'s buffer for rows of the given model."""
+    return BufferLayout(
+        num_blocks=config.num_blocks,  # type: ignore[attr-defined]
+        block_size=config.block_size,  # type: ignore[attr-defined]
+        hidden_size=hidden_size,
+        num_deepstack=num_deepstack,
+        dtype=dtype,
+    )

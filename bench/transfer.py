@@ -1,0 +1,45 @@
+"""Transfer-plane benchmark table for ``make bench``: time vs tokens, protocol vs raw.
+
+``main()`` runs ``common.transfer.bench.measure`` for 128..16384 tokens (hidden 3584, bf16,
+all tokens image tokens) plus the three goal scenarios, and prints one table.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+from common.transfer.bench import BenchParams, format_table, is_clean, measure  # noqa: E402
+
+TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def goal_rows() -> list[tuple[str, dict]]:
+    whole = measure(BenchParams(tokens=2000, default_tokens=2048))
+    split = measure(BenchParams(tokens=2000, default_tokens=1024))
+    shm = measure(BenchParams(tokens=2000, default_tokens=2048, transport="shm"))
+    return [
+        ("protocol / raw Mooncake, 2000 tok, default 2048 (goal >= 0.9)", whole),
+        ("2000 tok, default 1024 (goal <= 1.25x the row above)", split),
+        ("shm / memcpy, 2000 tok (goal >= 0.5)", shm),
+    ]
+
+
+def main() -> int:
+    records = [measure(BenchParams(tokens=n, default_tokens=1024)) for n in TOKENS]
+    print("time vs tokens (hidden 3584 bf16, default 1024, Mooncake tcp, median of 5)")
+    print(format_table(records))
+    goals = goal_rows()
+    print("\ngoals")
+    for label, record in goals:
+        print(f"  {label}: ratio {record['ratio']:.3f}, protocol {record['protocol_ms']:.2f} ms")
+    whole, split = goals[0][1], goals[1][1]
+    print(f"  split / whole: {split['protocol_ms'] / whole['protocol_ms']:.3f}")
+    clean = all(is_clean(r) for r in records + [g[1] for g in goals])
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

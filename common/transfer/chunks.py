@@ -1,0 +1,92 @@
+"""Sender-side chunk planning: which tokens and rows a write carries and where they go.
+
+A chunk covers tokens ``[s, s + n)`` with ``n = min(remaining, receiver capacity)``. Its image
+rows are those whose token index falls in the chunk: rows ``row_prefix[s] .. row_prefix[s+n]``
+of the sender's packed rows. At the destination, token fields go to token slots ``0..n-1`` and
+rows to row slots ``0..k-1`` of the receiver's blocks; the aux record to its first block.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from protos.epd.v1 import transfer_pb2
+
+from .addressing import pair_runs, slot_runs
+from .aux_record import AUX_HEADER_BYTES, ChunkInfo
+from .buffers import DataBuffers
+from .layout import BufferLayout, dtype_name
+from .types import MAX_EXTRA_BYTES
+
+
+class Segments(NamedTuple):
+    src_addrs: list[int]
+    dst_addrs: list[int]
+    lengths: list[int]
+
+
+def plan_chunk(row_prefix: np.ndarray, sent_tokens: int, capacity: int) -> ChunkInfo:
+    """``row_prefix[i]`` = number of image rows before token ``i`` (length total + 1)."""
+    total = len(row_prefix) - 1
+    num_tokens = min(total - sent_tokens, capacity)
+    first_row = int(row_prefix[sent_tokens])
+    num_rows = int(row_prefix[sent_tokens + num_tokens]) - first_row
+    return ChunkInfo(sent_tokens, num_tokens, first_row, num_rows)
+
+
+def check_init(init: transfer_pb2.TransferInit, layout: BufferLayout) -> str:
+    """Why the receiver's buffers cannot take our rows ("" when they can)."""
+    ours = (layout.hidden_size, layout.num_deepstack, dtype_name(layout.dtype), layout.row_bytes)
+    theirs = (init.hidden_size, init.num_deepstack, init.dtype, init.row_bytes)
+    if ours != theirs:
+        return (
+            f"layout_mismatch: receiver hidden={theirs[0]} deepstack={theirs[1]} "
+            f"dtype={theirs[2]} row_bytes={theirs[3]}, sender {layout.describe()}"
+        )
+    ids = list(init.block_ids)
+    if not ids or len(set(ids)) != len(ids) or max(ids) >= init.num_blocks:
+        return f"bad_init: invalid destination block ids {ids[:8]}..."
+    if init.block_size <= 0 or init.num_tokens_allocated > len(ids) * init.block_size:
+        return "bad_init: tokens allocated exceed the destination blocks"
+    slots = init.num_blocks * init.block_size
+    if init.rows.nbytes < slots * init.row_bytes or init.fill_ids.nbytes < slots * 4:
+        return "bad_init: destination regions smaller than advertised"
+    if init.aux_record_bytes < AUX_HEADER_BYTES + MAX_EXTRA_BYTES:
+        return "bad_init: destination aux record too small"
+    return ""
+
+
+def build_segments(
+    buffers: DataBuffers,
+    src_blocks: tuple[int, ...],
+    init: transfer_pb2.TransferInit,
+    chunk: ChunkInfo,
+    aux_len: int,
+) -> Segments:
+    """All segments of one chunk (every field), split where either side stops being contiguous."""
+    dst_blocks = list(init.block_ids)
+    src_addrs: list[int] = []
+    dst_addrs: list[int] = []
+    lengths: list[int] = []
+
+    def add(name: str, dst_base: int, src_offset: int, count: int) -> None:
+        if count == 0:
+            return
+        width = buffers.slot_bytes[name]
+        src_base = buffers.base(name)
+        src_runs = buffers.runs(src_blocks, src_offset, count)
+        dst_runs = slot_runs(dst_blocks, init.block_size, 0, count)
+        for s, d, n in pair_runs(src_runs, dst_runs):
+            src_addrs.append(src_base + s * width)
+            dst_addrs.append(dst_base + d * width)
+            lengths.append(n * width)
+
+    add("rows", init.rows.base, chunk.first_image_row, chunk.num_image_rows)
+    add("fill_ids", init.fill_ids.base, chunk.chunk_start, chunk.num_tokens)
+    add("positions", init.positions.base, chunk.chunk_start, chunk.num_tokens)
+    src_addrs.append(buffers.base("aux") + src_blocks[0] * buffers.slot_bytes["aux"])
+    dst_addrs.append(init.aux.base + dst_blocks[0] * init.aux_record_bytes)
+    lengths.append(aux_len)
+    return Segments(src_addrs, dst_addrs, lengths)

@@ -1,0 +1,314 @@
+"""Language side of the transfer plane: pulls each room's embeddings in one or more chunks.
+
+Room flow (receiver view)::
+
+    add_room -> BOOTSTRAPPING (queued until default_tokens of blocks are free)
+             -> WAITING_FOR_INPUT (init sent with sent_tokens = 0)
+             -> TRANSFERRING (a chunk landed, more remains: copy it out, free the blocks,
+                              alloc_up_to(rest), continuation init with sent_tokens = received)
+             -> SUCCESS (the whole request is assembled)   | FAILED from anywhere
+
+Buffer priority: waiting continuations are served before any new room. Blocks into which a
+write may still land (an init is out) are never freed on failure or abort: they go to
+quarantine until the sender acknowledges (a FAILED status without ``write_in_flight``) or
+``config.quarantine_s`` passes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+from protos.epd.v1 import transfer_pb2
+
+from . import aux_record
+from .allocator import Allocation
+from .aux_record import AUX_RECORD_BYTES
+from .config import TransferConfig
+from .endpoint import TransferEndpoint
+from .layout import BufferLayout, dtype_name
+from .receiver_room import ReceiverRoom
+from .transport import uses_shm
+from .types import ReceivedEmbeddings, RoomState, TransferError
+
+logger = logging.getLogger(__name__)
+
+MAX_FINISHED_ROOMS = 100_000
+Done = tuple[int, ReceivedEmbeddings | TransferError]
+
+
+class EmbeddingReceiver(TransferEndpoint):
+    def __init__(self, config: TransferConfig, layout: BufferLayout) -> None:
+        self._rooms: dict[int, ReceiverRoom] = {}
+        self._finished: collections.OrderedDict[int, RoomState] = collections.OrderedDict()
+        self._done: list[Done] = []
+        self._new_queue: collections.deque[int] = collections.deque()
+        self._cont_queue: collections.deque[int] = collections.deque()
+        self._quarantine: dict[int, list[tuple[Allocation, float]]] = {}
+        self._failed_by_reason: collections.Counter[str] = collections.Counter()
+        self.bytes_received = 0
+        self.num_transfers = 0
+        super().__init__(config, layout, shared=uses_shm(config.transport))
+        self._done_ready = threading.Condition(self._lock)  # no room exists before this
+        self._init_template = self._make_init_template()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def add_room(self, room: int, sender_endpoint: str) -> None:
+        """Start pulling ``room`` from the sender at ``sender_endpoint``."""
+        with self._lock:
+            if room in self._rooms or room in self._finished:
+                raise ValueError(f"room {room} already added")
+            now = time.monotonic()
+            state = ReceiverRoom(
+                room, sender_endpoint, deadline=now + self.config.bootstrap_timeout_s
+            )
+            self._rooms[room] = state
+            self._new_queue.append(room)
+            self._schedule()
+
+    def poll(self, room: int) -> RoomState:
+        """The room's state; KeyError for a room never added (or aborted)."""
+        with self._lock:
+            if room in self._rooms:
+                return self._rooms[room].state
+            return self._finished[room]
+
+    def pop_done(self, timeout_s: float = 0.0) -> list[Done]:
+        """Rooms that ended since the last call, each reported exactly once (aborts excluded).
+
+        With ``timeout_s`` > 0, waits up to that long for at least one.
+        """
+        with self._lock:
+            if not self._done and timeout_s > 0:
+                self._done_ready.wait(timeout_s)
+            done, self._done = self._done, []
+            return done
+
+    def abort(self, room: int) -> None:
+        """Drop ``room`` whatever its state; blocks a write may still hit stay quarantined."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is not None:
+                self._fail(state, "aborted: by the receiver", report=False)
+            self._done = [d for d in self._done if d[0] != room]
+            self._finished.pop(room, None)
+
+    def stats(self) -> dict:
+        with self._lock:
+            by_state = collections.Counter(r.state.name for r in self._rooms.values())
+            finished = collections.Counter(s.name for s in self._finished.values())
+            return {
+                "rooms_active": dict(by_state),
+                "rooms_finished": dict(finished),
+                **self._block_stats(),
+                "num_quarantined_blocks": sum(
+                    len(a.block_ids) for q in self._quarantine.values() for a, _ in q
+                ),
+                "num_waiting_continuations": len(self._cont_queue),
+                "num_waiting_rooms": len(self._new_queue),
+                "bytes_received": self.bytes_received,
+                "num_transfers": self.num_transfers,
+                "failed_by_reason": dict(self._failed_by_reason),
+                "messages": dict(self.counters),
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            for state in list(self._rooms.values()):
+                self._fail(state, "closed: receiver shut down", report=False)
+        self._close_endpoint()
+
+    # ---- buffers and inits ------------------------------------------------------------------
+
+    def _make_init_template(self) -> transfer_pb2.TransferInit:
+        layout, regions = self.layout, self.buffers.regions
+        init = transfer_pb2.TransferInit(
+            receiver_endpoint=self.endpoint,
+            host_id=self.host_id,
+            mooncake_session=self.mooncake.session_id if self.mooncake else "",
+            row_bytes=layout.row_bytes,
+            hidden_size=layout.hidden_size,
+            num_deepstack=layout.num_deepstack,
+            dtype=dtype_name(layout.dtype),
+            block_size=layout.block_size,
+            num_blocks=layout.num_blocks,
+            aux_record_bytes=AUX_RECORD_BYTES,
+        )
+        for name in ("rows", "fill_ids", "positions", "aux"):
+            region = regions[name]
+            getattr(init, name).CopyFrom(
+                transfer_pb2.BufferRegion(
+                    base=region.base, nbytes=region.nbytes, shm_name=region.shm_name
+                )
+            )
+        return init
+
+    def _send_init(self, state: ReceiverRoom, allocation: Allocation) -> None:
+        now = time.monotonic()
+        msg = self._envelope()
+        msg.init.CopyFrom(self._init_template)
+        msg.init.room = state.room
+        msg.init.block_ids.extend(allocation.block_ids)
+        msg.init.num_tokens_allocated = allocation.num_tokens
+        msg.init.sent_tokens = state.received
+        state.allocation = allocation
+        state.awaiting_write = state.init_sent = True
+        if state.state == RoomState.BOOTSTRAPPING:
+            state.move(RoomState.WAITING_FOR_INPUT)
+            state.deadline = now + self.config.bootstrap_timeout_s + self.config.transfer_timeout_s
+        else:
+            state.deadline = now + self.config.transfer_timeout_s + self.config.heartbeat_timeout_s
+        self.peers.watch(state.sender_endpoint, now)
+        self.channel.send(state.sender_endpoint, msg)
+
+    def _schedule(self) -> None:
+        """Hand free blocks out: continuations first (what is free), then new rooms (default)."""
+        while self._cont_queue:
+            state = self._rooms.get(self._cont_queue[0])
+            if state is None or state.state.is_final:
+                self._cont_queue.popleft()
+                continue
+            allocation = self.allocator.alloc_up_to(state.aux.total_tokens - state.received)
+            if allocation is None:
+                return
+            self._cont_queue.popleft()
+            self._send_init(state, allocation)
+        while self._new_queue:
+            state = self._rooms.get(self._new_queue[0])
+            if state is None or state.state.is_final:
+                self._new_queue.popleft()
+                continue
+            allocation = self.allocator.alloc(self.config.default_tokens)
+            if allocation is None:
+                return
+            self._new_queue.popleft()
+            self._send_init(state, allocation)
+
+    def _free(self, allocation: Allocation) -> None:
+        self.allocator.free(allocation)
+        self._schedule()
+
+    def _release(self, state: ReceiverRoom) -> None:
+        """Give up the room's blocks: free, or quarantine while a write may still land."""
+        allocation, state.allocation = state.allocation, None
+        if allocation is None:
+            return
+        if state.awaiting_write:
+            deadline = time.monotonic() + self.config.quarantine_s
+            self._quarantine.setdefault(state.room, []).append((allocation, deadline))
+        else:
+            self._free(allocation)
+
+    def _end(self, state: ReceiverRoom, outcome: ReceivedEmbeddings | TransferError | None) -> None:
+        self._rooms.pop(state.room, None)
+        if outcome is not None:
+            self._finished[state.room] = state.state
+            while len(self._finished) > MAX_FINISHED_ROOMS:
+                self._finished.popitem(last=False)
+            self._done.append((state.room, outcome))
+            self._done_ready.notify_all()
+
+    def _fail(self, state: ReceiverRoom, reason: str, report: bool = True) -> None:
+        if state.state.is_final:
+            return
+        state.move(RoomState.FAILED)
+        self._failed_by_reason[reason.split(":")[0]] += 1
+        if state.init_sent:
+            msg = self._envelope()
+            msg.abort.room = state.room
+            msg.abort.reason = reason
+            self.channel.send(state.sender_endpoint, msg)
+        self._release(state)
+        self._end(state, TransferError(state.room, reason) if report else None)
+
+    # ---- control loop -----------------------------------------------------------------------
+
+    def _on_message(self, env: transfer_pb2.TransferEnvelope) -> None:
+        kind = env.WhichOneof("body")
+        if kind == "status":
+            self._on_status(env.status)
+        elif kind != "heartbeat":
+            self.counters["unexpected_message"] += 1
+
+    def _on_status(self, status: transfer_pb2.TransferStatus) -> None:
+        state = self._rooms.get(status.room)
+        if status.room in self._quarantine and not status.write_in_flight:
+            for allocation, _ in self._quarantine.pop(status.room):
+                self._free(allocation)  # the sender says nothing is in flight any more
+            if state is None:
+                return
+        if state is None:
+            self.counters["unknown_room"] += 1
+            return
+        rstate = RoomState(status.state) if status.state <= RoomState.FAILED else None
+        if rstate == RoomState.FAILED:
+            state.awaiting_write = status.write_in_flight
+            state.init_sent = False  # the sender already dropped the room
+            self._fail(state, status.error or "sender_failed")
+            return
+        if rstate == RoomState.TRANSFERRING and status.num_tokens == 0:
+            if state.aux is None and status.num_image_rows <= status.total_tokens:
+                state.prepare(status.total_tokens, status.num_image_rows, self.layout)
+            return
+        if rstate not in (RoomState.TRANSFERRING, RoomState.SUCCESS) or not state.awaiting_write:
+            self.counters["unexpected_status"] += 1
+            return
+        state.awaiting_write = False  # the write has returned on the sender
+        self._absorb_chunk(state, status, rstate)
+
+    def _absorb_chunk(
+        self, state: ReceiverRoom, status: transfer_pb2.TransferStatus, rstate: RoomState
+    ) -> None:
+        assert state.allocation is not None
+        try:
+            record = self.buffers.aux_bytes(state.allocation.block_ids[0])
+            room, aux, chunk = aux_record.unpack(record)
+            problem = state.check_chunk(room, aux, chunk, status.num_tokens)
+            if not problem and chunk.num_tokens > state.allocation.num_tokens:
+                problem = "aux_mismatch: chunk larger than the allocation"
+            if not problem and aux.total_tokens != status.total_tokens:
+                problem = "aux_mismatch: total_tokens differs from the status"
+        except ValueError as exc:
+            problem = f"aux_mismatch: {exc}"
+        if problem:
+            self._fail(state, problem)
+            return
+        state.absorb(self.buffers, aux, chunk)
+        self.num_transfers += 1
+        self.bytes_received += chunk.num_tokens * 16 + chunk.num_image_rows * self.layout.row_bytes
+        done = state.received == aux.total_tokens
+        if done != (rstate == RoomState.SUCCESS):
+            self._fail(state, f"aux_mismatch: status {rstate.name} at {state.received} tokens")
+            return
+        self._release(state)
+        if done:
+            state.move(RoomState.SUCCESS)
+            self._end(state, state.result())
+            return
+        state.move(RoomState.TRANSFERRING)
+        state.deadline = time.monotonic() + self.config.waiting_timeout_s
+        self._cont_queue.append(state.room)
+        self._schedule()
+
+    def _on_tick(self, now: float) -> None:
+        for room, entries in list(self._quarantine.items()):
+            keep = [(a, d) for a, d in entries if d > now]
+            for allocation, deadline in entries:
+                if deadline <= now:
+                    self._free(allocation)
+            if keep:
+                self._quarantine[room] = keep
+            else:
+                del self._quarantine[room]
+        for state in list(self._rooms.values()):
+            if now > state.deadline:
+                self._fail(state, f"timeout: in {state.state.name}")
+        active = {s.sender_endpoint for s in self._rooms.values() if s.init_sent}
+        for ep in self.peers.silent(active, now):
+            for state in list(self._rooms.values()):
+                if state.sender_endpoint == ep and state.init_sent:
+                    self._fail(state, f"sender_dead: {ep} silent")
+        self._send_heartbeats(active, now)

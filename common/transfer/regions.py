@@ -1,0 +1,105 @@
+"""Memory regions backing the transfer buffers: private memory or files in /dev/shm.
+
+A shm region is a file ``/dev/shm/<name>`` mapped into this process; a same-host peer maps the
+same file to write into it. ``close`` unlinks the file (the mapping itself goes away with the
+last tensor view), so a clean shutdown leaves nothing behind in /dev/shm. A killed process
+cannot clean up: ``sweep_stale_regions`` (run whenever shm regions are created) unlinks the
+files whose owner pid, which is part of the name, no longer exists.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+SHM_DIR = "/dev/shm"
+
+
+@dataclass
+class Region:
+    """``nbytes`` of memory at ``base``; ``data`` is a flat uint8 view of it."""
+
+    data: torch.Tensor
+    base: int
+    nbytes: int
+    shm_name: str = ""
+    _mmap: mmap.mmap | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        if self.shm_name:
+            try:
+                os.unlink(os.path.join(SHM_DIR, self.shm_name))
+            except FileNotFoundError:
+                pass
+            self.shm_name = ""
+
+
+def shm_name(tag: str) -> str:
+    return f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}-{tag}"
+
+
+SHM_PREFIX = "epd-transfer-"
+
+
+def sweep_stale_regions() -> list[str]:
+    """Unlink region files left behind by dead processes; returns their names."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        pid_text = name[len(SHM_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(SHM_PREFIX) or not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        except PermissionError:
+            pass  # alive, another user's
+    return removed
+
+
+def allocate_region(nbytes: int, tag: str, shared: bool) -> Region:
+    """Private memory (``torch.empty``) or a fresh /dev/shm file of ``nbytes`` bytes."""
+    if nbytes <= 0:
+        raise ValueError(f"region {tag} must have a positive size")
+    if not shared:
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        return Region(data, data.data_ptr(), nbytes)
+    name = shm_name(tag)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapped = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        os.unlink(os.path.join(SHM_DIR, name))
+        raise
+    os.close(fd)
+    data = torch.frombuffer(mapped, dtype=torch.uint8)
+    return Region(data, data.data_ptr(), nbytes, name, mapped)
+
+
+def map_peer_region(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
+    """Map a peer's shm region; returns the mapping and its address in this process."""
+    if "/" in name or not name.startswith(SHM_PREFIX):
+        raise ValueError(f"not a transfer shm region: {name!r}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            raise ValueError(f"shm region {name} is smaller than advertised")
+        mapped = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    view = torch.frombuffer(mapped, dtype=torch.uint8)
+    return mapped, view.data_ptr()

@@ -1,0 +1,112 @@
+"""Addressing, aux records, states, config and message decoding (no processes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.transfer import aux_record, messages
+from common.transfer.addressing import pair_runs, slot_runs
+from common.transfer.chunks import plan_chunk
+from common.transfer.config import TransferConfig
+from common.transfer.sender_room import image_row_prefix
+from common.transfer.types import AuxInfo, RoomState, advance
+from protos.epd.v1 import transfer_pb2
+
+
+def test_slot_runs_merge_adjacent_blocks_and_split_gaps() -> None:
+    assert slot_runs((7, 8, 2), 4, 2, 8) == [(30, 6), (8, 2)]
+    assert slot_runs((0, 1, 2), 4, 0, 12) == [(0, 12)]
+    assert slot_runs((5,), 4, 0, 1) == [(20, 1)]
+    with pytest.raises(ValueError):
+        slot_runs((0,), 4, 2, 3)
+
+
+def test_pair_runs_splits_where_either_side_breaks() -> None:
+    src = [(0, 5), (10, 3)]
+    dst = [(100, 2), (200, 6)]
+    assert pair_runs(src, dst) == [(0, 100, 2), (2, 200, 3), (10, 203, 3)]
+    with pytest.raises(ValueError):
+        pair_runs([(0, 3)], [(0, 2)])
+
+
+def test_plan_chunk_counts_image_rows_in_token_range() -> None:
+    mask = np.array([0, 1, 1, 0, 1, 1, 1, 0], dtype=bool)
+    prefix = image_row_prefix(mask)
+    first = plan_chunk(prefix, 0, 3)
+    assert (first.chunk_start, first.num_tokens, first.first_image_row, first.num_image_rows) == (
+        0,
+        3,
+        0,
+        2,
+    )
+    rest = plan_chunk(prefix, 3, 100)
+    assert (rest.num_tokens, rest.first_image_row, rest.num_image_rows) == (5, 2, 3)
+
+
+def test_aux_record_round_trip_and_limits() -> None:
+    aux = AuxInfo(4097, 2048, mrope_delta=-7, num_items=2, extra=b"x" * 1024)
+    chunk = aux_record.ChunkInfo(1024, 512, 300, 200)
+    room, got, got_chunk = aux_record.unpack(aux_record.pack(2**62 + 5, aux, chunk))
+    assert (room, got, got_chunk) == (2**62 + 5, aux, chunk)
+    assert len(aux_record.pack(1, aux, chunk)) <= aux_record.AUX_RECORD_BYTES
+    with pytest.raises(ValueError):
+        AuxInfo(10, 1, extra=b"x" * 1025)
+    with pytest.raises(ValueError):
+        aux_record.unpack(bytes(aux_record.AUX_RECORD_BYTES))
+
+
+def test_states_move_forward_only_and_failed_wins() -> None:
+    s = RoomState
+    assert advance(s.BOOTSTRAPPING, s.TRANSFERRING) == s.TRANSFERRING
+    assert advance(s.TRANSFERRING, s.WAITING_FOR_INPUT) == s.TRANSFERRING
+    assert advance(s.TRANSFERRING, s.FAILED) == s.FAILED
+    assert advance(s.SUCCESS, s.FAILED) == s.SUCCESS
+    assert advance(s.FAILED, s.SUCCESS) == s.FAILED
+    for state in s:
+        assert advance(state, state) == state
+
+
+def test_config_validation() -> None:
+    TransferConfig()
+    with pytest.raises(ValueError):
+        TransferConfig(default_tokens=1000)
+    with pytest.raises(ValueError):
+        TransferConfig(num_blocks=4, default_tokens=1024)
+    with pytest.raises(ValueError):
+        TransferConfig(transport="carrier-pigeon")
+    with pytest.raises(ValueError):
+        TransferConfig(heartbeat_interval_s=5.0, heartbeat_timeout_s=1.0)
+
+
+def test_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from common.cli_config import add_cli_args, from_cli_args
+    from common.transfer.config import ENV_PREFIX
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser, TransferConfig, ENV_PREFIX)
+    monkeypatch.setenv("EPD_TRANSFER_DEFAULT_TOKENS", "2048")
+    config = from_cli_args(TransferConfig, parser.parse_args(["--transport", "shm"]), ENV_PREFIX)
+    assert (config.default_tokens, config.transport) == (2048, "shm")
+
+
+def test_decode_rejects_garbage_and_foreign_versions() -> None:
+    ok = messages.envelope("tcp://x:1")
+    ok.heartbeat.sent_at = 1.0
+    assert messages.decode(ok.SerializeToString()).error == ""
+    assert messages.decode(b"\xff\xff\xff\xff").error == "garbage"
+    assert messages.decode(ok.SerializeToString()[:-3]).envelope is None
+    future = transfer_pb2.TransferEnvelope(version=2, from_endpoint="x")
+    future.heartbeat.sent_at = 1.0
+    assert messages.decode(future.SerializeToString()).error == "unknown_version"
+    assert messages.decode(transfer_pb2.TransferEnvelope(version=1).SerializeToString()).error
+
+
+def test_decode_accepts_added_fields() -> None:
+    msg = messages.envelope("tcp://x:1")
+    msg.status.room = 7
+    unknown = bytes([0xF8, 0x06, 0x2A])  # field 111 (varint) = 42, from a newer peer
+    decoded = messages.decode(msg.SerializeToString() + unknown)
+    assert decoded.envelope is not None and decoded.envelope.status.room == 7
