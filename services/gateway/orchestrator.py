@@ -77,6 +77,8 @@ def validate(request: gateway_pb2.GenerateRequest) -> None:
 
 def _status_from_rpc(exc: grpc.RpcError, who: str) -> GatewayError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    if code == grpc.StatusCode.CANCELLED:  # not by the client (callers check): channel closed
+        code = grpc.StatusCode.UNAVAILABLE
     return GatewayError(code, f"{who}: {exc.details() if hasattr(exc, 'details') else exc}")
 
 
@@ -116,6 +118,7 @@ class Orchestrator:
                 self._remaining(deadline),
                 messages=request.messages,
             )
+            admitted.on_cancel(call.cancel)  # Abort and client cancel reach the language worker
             dispatch = Dispatch(language, None, time.monotonic(), call)
         else:
             dispatch = self._dispatch_with_images(
