@@ -8,3 +8,9 @@ from common import protogen
 def test_generated_code_is_fresh() -> None:
     assert protogen.proto_files(), "no .proto files found"
     assert protogen.stale_files() == [], "run `make proto`"
+
+
+def test_configuration_reference_is_fresh() -> None:
+    from common import config_doc
+
+    assert config_doc.main(["--check"]) == 0, "run `python -m common.config_doc`"
