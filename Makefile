@@ -40,17 +40,17 @@ run: setup
 	$(VENV)/bin/epd run
 
 test: setup
-	GLOG_minloglevel=2 $(VPY) -m pytest -q $(PYTEST_ARGS)
+	GLOG_minloglevel=2 MC_LOG_LEVEL=ERROR $(VPY) -m pytest -q $(PYTEST_ARGS)
 
 test-slow: setup
-	GLOG_minloglevel=2 $(VPY) -m pytest -q -m slow $(PYTEST_ARGS)
+	GLOG_minloglevel=2 MC_LOG_LEVEL=ERROR $(VPY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 bench: setup
-	GLOG_minloglevel=2 $(VPY) -m bench.run_all
+	GLOG_minloglevel=2 MC_LOG_LEVEL=ERROR $(VPY) -m bench.run_all
 
 clean:
 	rm -rf $(VENV) build *.egg-info protos/epd/v1/*_pb2*.py*

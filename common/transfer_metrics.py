@@ -4,7 +4,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.metrics import StatsCollector
+from prometheus_client import CollectorRegistry
+
+from common.metrics import StatsCollector, histogram
+
+CONTINUATION_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32)
+
+
+def register_transfer_metrics(registry: CollectorRegistry, side: str, endpoint) -> None:
+    """Series of a sender or receiver ``endpoint``: scrape-time stats, plus the event-time
+    histograms (chunk write seconds on the sender, continuations per room on the receiver)."""
+    registry.register(transfer_collector(side, endpoint.stats))
+    labels = {"side": side}
+    if side == "sender":
+        seconds = histogram(registry, "transfer_seconds", "seconds per chunk write", ["side"])
+        endpoint.on_write = lambda nbytes, s: seconds.labels(**labels).observe(s)
+    else:
+        continuations = histogram(
+            registry,
+            "transfer_continuations_per_room",
+            "continuations a room needed",
+            ["side"],
+            buckets=CONTINUATION_BUCKETS,
+        )
+        endpoint.on_room_done = lambda n: continuations.labels(**labels).observe(n - 1)
 
 
 def transfer_collector(side: str, stats_fn: Callable[[], dict]) -> StatsCollector:

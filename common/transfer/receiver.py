@@ -20,6 +20,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from protos.epd.v1 import transfer_pb2
 
@@ -50,6 +51,8 @@ class EmbeddingReceiver(TransferEndpoint):
         self._failed_by_reason: collections.Counter[str] = collections.Counter()
         self.bytes_received = 0
         self.num_transfers = 0
+        # Observer of each completed room: its number of transfers. Set by the metrics.
+        self.on_room_done: Callable[[int], None] | None = None
         super().__init__(config, layout, shared=uses_shm(config.transport))
         self._done_ready = threading.Condition(self._lock)  # no room exists before this
         self._init_template = self._make_init_template()
@@ -249,6 +252,8 @@ class EmbeddingReceiver(TransferEndpoint):
             state.init_sent = False  # the sender already dropped the room
             self._fail(state, status.error or "sender_failed")
             return
+        if not state.first_data_at and rstate in (RoomState.TRANSFERRING, RoomState.SUCCESS):
+            state.first_data_at = time.monotonic()
         if rstate == RoomState.TRANSFERRING and status.num_tokens == 0:
             if state.aux is None and status.num_image_rows <= status.total_tokens:
                 state.prepare(status.total_tokens, status.num_image_rows, self.layout)
@@ -286,6 +291,8 @@ class EmbeddingReceiver(TransferEndpoint):
         self._release(state)
         if done:
             state.move(RoomState.SUCCESS)
+            if self.on_room_done is not None:
+                self.on_room_done(state.num_transfers)
             self._end(state, state.result())
             return
         state.move(RoomState.TRANSFERRING)

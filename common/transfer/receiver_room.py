@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ class ReceiverRoom:
     received: int = 0  # == sent_tokens of the next init
     num_image_rows_received: int = 0
     num_transfers: int = 0
+    first_data_at: float = 0.0  # monotonic time the sender announced its first write
     aux: AuxInfo | None = None
     fill_ids: np.ndarray | None = None
     positions: np.ndarray | None = None
@@ -99,4 +101,5 @@ class ReceiverRoom:
             image_rows=self.image_rows,
             aux=self.aux,
             num_transfers=self.num_transfers,
+            transfer_s=time.monotonic() - self.first_data_at if self.first_data_at else 0.0,
         )

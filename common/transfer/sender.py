@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -46,6 +47,8 @@ class EmbeddingSender(TransferEndpoint):
         self.bytes_sent = 0
         self.num_transfers = 0
         self.write_seconds = 0.0  # time spent inside transport writes (successful chunks)
+        # Observer of each successful chunk write: (bytes, seconds). Set by the metrics.
+        self.on_write: Callable[[int, float], None] | None = None
         self._writes_by_transport: collections.Counter[str] = collections.Counter()
         self._next_shm_sweep = 0.0
         self._writers = ThreadPoolExecutor(config.num_writers, thread_name_prefix="epd-writer")
@@ -285,6 +288,8 @@ class EmbeddingSender(TransferEndpoint):
                 return
             self.bytes_sent += nbytes
             self.write_seconds += write_s
+            if self.on_write is not None:
+                self.on_write(nbytes, write_s)
             self._writes_by_transport[transport_name] += 1
             self.num_transfers += 1
             state.num_transfers += 1

@@ -71,6 +71,7 @@ class ReceivedEmbeddings:
     image_rows: torch.Tensor  # [num_image_rows, hidden*(1+num_deepstack)], token order
     aux: AuxInfo
     num_transfers: int  # first + continuations
+    transfer_s: float = 0.0  # first write announced -> last chunk landed (incl. continuations)
 
 
 class TransferError(Exception):

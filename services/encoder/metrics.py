@@ -7,7 +7,7 @@ import dataclasses
 from prometheus_client import CollectorRegistry
 
 from common.metrics import StatsCollector, histogram
-from common.transfer_metrics import transfer_collector
+from common.transfer_metrics import register_transfer_metrics
 
 from .service import EncoderService
 
@@ -95,5 +95,6 @@ def create_registry(service: EncoderService) -> CollectorRegistry:
             ],
         )
     )
-    registry.register(transfer_collector("sender", service.sender.stats))
+    if hasattr(service.sender, "on_write"):  # the transfer plane's sender (not the discarding one)
+        register_transfer_metrics(registry, "sender", service.sender)
     return registry

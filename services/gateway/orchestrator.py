@@ -187,7 +187,7 @@ class Orchestrator:
                 last_error = _status_from_rpc(exc, f"encoder {encoder.address}")
                 if admitted.cancelled:
                     raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted") from None
-                if exc.code() in RETRY_ENCODER_CODES:
+                if last_error.code in RETRY_ENCODER_CODES:
                     continue
                 raise last_error from None
             self.encoder_policy.on_routed(encoder, key)

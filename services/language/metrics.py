@@ -7,7 +7,7 @@ import dataclasses
 from prometheus_client import CollectorRegistry
 
 from common.metrics import StatsCollector
-from common.transfer_metrics import transfer_collector
+from common.transfer_metrics import register_transfer_metrics
 
 
 def create_registry(handle) -> CollectorRegistry:
@@ -87,5 +87,5 @@ def create_registry(handle) -> CollectorRegistry:
     )
     source = handle.embedding_source
     if source is not None and hasattr(source, "receiver"):
-        registry.register(transfer_collector("receiver", source.receiver.stats))
+        register_transfer_metrics(registry, "receiver", source.receiver)
     return registry
