@@ -7,10 +7,11 @@ Prometheus endpoint, and stops both on shutdown.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.cli_config import field
+from common.cli_config import add_cli_args, field, from_cli_args
 from common.registration import Registrar
 
 
@@ -67,3 +68,25 @@ class WorkerRuntime:
             self._registrar.stop()
         if self._metrics is not None:
             self._metrics.shutdown()
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser, env_prefix: str) -> None:
+    """Flags of the configs every worker nests: registration/metrics and the transfer plane."""
+    from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
+    from common.transfer.config import TransferConfig
+
+    add_cli_args(parser, WorkerConfig, env_prefix)
+    add_cli_args(parser, TransferConfig, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
+
+
+def worker_configs(args: argparse.Namespace, env_prefix: str) -> dict:
+    """``{"worker": WorkerConfig, "transfer": TransferConfig}`` to nest in a service config."""
+    from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
+    from common.transfer.config import TransferConfig
+
+    return {
+        "worker": from_cli_args(WorkerConfig, args, env_prefix),
+        "transfer": from_cli_args(
+            TransferConfig, args, TRANSFER_ENV_PREFIX, flag_prefix="transfer"
+        ),
+    }

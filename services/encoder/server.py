@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
-from concurrent import futures
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from common.cli_config import add_cli_args, from_cli_args
-from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
-from common.transfer.config import TransferConfig
-from common.worker import WorkerConfig, WorkerRuntime
+from common.grpc_server import create_server, start_server, wait_for_termination
+from common.worker import WorkerRuntime, add_worker_arguments, worker_configs
 from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import ENV_PREFIX, EncoderConfig
@@ -41,27 +35,13 @@ def serve(
     Stop with ``server.stop(grace)`` then ``service.close()``.
     """
     service = EncoderService(model_path, config, sender)
-    max_bytes = config.max_message_mb << 20
-    server = grpc.server(
-        futures.ThreadPoolExecutor(config.grpc_workers, thread_name_prefix="epd-encoder-rpc"),
-        options=[
-            ("grpc.max_receive_message_length", max_bytes),
-            ("grpc.max_send_message_length", max_bytes),
-        ],
-    )
+    server = create_server(config.grpc_workers, config.max_message_mb, "epd-encoder")
     encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(service), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
+    try:
+        port, _ = start_server(server, config.host, config.port, (SERVICE_NAME,))
+    except OSError:
         service.close()
-        raise OSError(f"cannot bind {config.host}:{config.port}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        raise
     endpoint = service.sender.endpoint
     logger.info("encoder serving on %s:%d (sender %s)", config.host, port, endpoint)
     return server, service, port
@@ -70,14 +50,11 @@ def serve(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", type=Path, required=True, help="checkpoint directory")
     add_cli_args(parser, EncoderConfig, ENV_PREFIX)
-    add_cli_args(parser, WorkerConfig, ENV_PREFIX)
-    add_cli_args(parser, TransferConfig, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
+    add_worker_arguments(parser, ENV_PREFIX)
 
 
 def config_from_args(args: argparse.Namespace) -> EncoderConfig:
-    transfer = from_cli_args(TransferConfig, args, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
-    worker = from_cli_args(WorkerConfig, args, ENV_PREFIX)
-    return from_cli_args(EncoderConfig, args, ENV_PREFIX, transfer=transfer, worker=worker)
+    return from_cli_args(EncoderConfig, args, ENV_PREFIX, **worker_configs(args, ENV_PREFIX))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,10 +64,7 @@ def run(args: argparse.Namespace) -> int:
     endpoint = service.sender.endpoint
     runtime = start_runtime(config, service, port)
     print(f"encoder listening on {config.host}:{port} sender={endpoint}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_termination()
     runtime.stop()
     server.stop(grace=5).wait()
     service.close()

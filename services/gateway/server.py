@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import threading
 from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from common.cli_config import add_cli_args, from_cli_args
+from common.grpc_server import create_server, start_server, wait_for_termination
 from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
 from services.gateway import workers as calls
 from services.gateway.admission import Admission
@@ -97,31 +96,14 @@ def serve(config: GatewayConfig) -> GatewayServer:
         create_policy(config.language_policy, Role.LANGUAGE, config.affinity_slack),
         metrics,
     )
-    max_bytes = config.max_message_mb << 20
-    server = grpc.server(
-        futures.ThreadPoolExecutor(config.max_queued + 16, thread_name_prefix="gateway-rpc"),
-        options=[
-            ("grpc.max_receive_message_length", max_bytes),
-            ("grpc.max_send_message_length", max_bytes),
-        ],
-    )
+    server = create_server(config.max_queued + 16, config.max_message_mb, "epd-gateway")
     gateway_pb2_grpc.add_GatewayServicer_to_server(
         GatewayServicer(config, admission, orchestrator, registry, metrics), server
     )
     registry_pb2_grpc.add_WorkerRegistryServicer_to_server(
         RegistryServicer(registry, config.heartbeat_interval_s), server
     )
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
-    server.start()
-    for name in ("", *SERVICE_NAMES):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    port, health_servicer = start_server(server, config.host, config.port, SERVICE_NAMES)
     poller = HealthPoller(registry, config.health_poll_s)
     logger.info("gateway serving on %s:%d", config.host, port)
     return GatewayServer(server, port, registry, admission, metrics, poller, health_servicer)
@@ -141,10 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
         metrics_server = start_metrics_server(config.metrics_port, handle.metrics.registry)
     print(f"gateway listening on {config.host}:{handle.port}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_termination()
     if metrics_server is not None:
         metrics_server.shutdown()
     handle.stop()

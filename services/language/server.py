@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from common.cli_config import add_cli_args, from_cli_args
-from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
-from common.transfer.config import TransferConfig
-from common.worker import WorkerConfig, WorkerRuntime
-from protos.epd.v1 import language_pb2, language_pb2_grpc
+from common.grpc_server import create_server, start_server, wait_for_termination
+from common.worker import WorkerRuntime, add_worker_arguments, worker_configs
+from protos.epd.v1 import language_pb2_grpc
 from services.language.config import ENV_PREFIX, LanguageConfig
 from services.language.engine.engine import LanguageEngine
 from services.language.engine_thread import EngineThread
@@ -59,42 +54,21 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
     engine = LanguageEngine(config, embedding_source)
     engine_thread = EngineThread(engine, config.max_waiting_requests)
     engine_thread.start()
-    max_bytes = config.grpc_max_message_mb << 20
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.grpc_workers),
-        options=[
-            ("grpc.max_receive_message_length", max_bytes),
-            ("grpc.max_send_message_length", max_bytes),
-        ],
-    )
+    server = create_server(config.grpc_workers, config.grpc_max_message_mb, "epd-language")
     servicer = LanguageServicer(engine_thread, config.default_max_new_tokens, embedding_source)
     language_pb2_grpc.add_LanguageServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        language_pb2.DESCRIPTOR.services_by_name["LanguageService"].full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    port, health_servicer = start_server(server, config.host, config.port, (SERVICE_NAME,))
     logger.info("language worker on %s:%d (%s)", config.host, port, engine.device)
     return LanguageServer(server, engine_thread, health_servicer, port, embedding_source)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cli_args(parser, LanguageConfig, ENV_PREFIX)
-    add_cli_args(parser, WorkerConfig, ENV_PREFIX)
-    add_cli_args(parser, TransferConfig, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
+    add_worker_arguments(parser, ENV_PREFIX)
 
 
 def config_from_args(args: argparse.Namespace) -> LanguageConfig:
-    transfer = from_cli_args(TransferConfig, args, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
-    worker = from_cli_args(WorkerConfig, args, ENV_PREFIX)
-    return from_cli_args(LanguageConfig, args, ENV_PREFIX, transfer=transfer, worker=worker)
+    return from_cli_args(LanguageConfig, args, ENV_PREFIX, **worker_configs(args, ENV_PREFIX))
 
 
 def serve_with_receiver(config: LanguageConfig) -> LanguageServer:
@@ -138,10 +112,7 @@ def run(args: argparse.Namespace) -> int:
     handle = serve_with_receiver(config)
     runtime = start_runtime(config, handle)
     print(f"language worker listening on {config.host}:{handle.port}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_termination()
     runtime.stop()
     handle.stop()
     return 0

@@ -1,0 +1,53 @@
+"""What every gRPC server of the project shares: message limits, health, reflection, signals."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sequence
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+
+def create_server(num_threads: int, max_message_mb: int, name: str) -> grpc.Server:
+    """A server whose messages may be ``max_message_mb`` large (images are MBs)."""
+    max_bytes = max_message_mb << 20
+    return grpc.server(
+        futures.ThreadPoolExecutor(num_threads, thread_name_prefix=f"{name}-rpc"),
+        options=[
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes),
+        ],
+    )
+
+
+def start_server(
+    server: grpc.Server, host: str, port: int, service_names: Sequence[str]
+) -> tuple[int, health.HealthServicer]:
+    """Add grpc.health.v1 and reflection, bind, start; every service reports SERVING.
+
+    Returns the bound port (``port`` 0 picks one) and the health servicer (for draining).
+    """
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    for name in ("", *service_names):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return bound, health_servicer
+
+
+def wait_for_termination() -> None:
+    """Block until SIGINT or SIGTERM (the main thread of a serving process)."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
