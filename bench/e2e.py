@@ -31,10 +31,10 @@ from PIL import Image
 
 from common.models.hf_reference import HFReference
 from common.models.tiny import ensure_tiny_model
-from common.procs import ServiceProcess, free_port
 from protos.epd.v1 import common_pb2, language_pb2, language_pb2_grpc
 from services.gateway.client import GatewayClient
 from services.gateway.workers import create_channel
+from services.local_stack import LocalStack, start_local_stack
 
 CONCURRENCY = (1, 4, 16)
 NUM_REQUESTS = {1: 16, 4: 32, 16: 48}
@@ -87,47 +87,6 @@ def percentile(values: list[float], q: float) -> float:
 
 
 # ---- the stack -----------------------------------------------------------------------------
-
-
-class LocalStack:
-    """Gateway + 1 encoder + 1 language worker, each its own process."""
-
-    def __init__(self, model_dir: Path, log_dir: Path) -> None:
-        port = free_port()
-        self.gateway = ServiceProcess(
-            "gateway",
-            ["serve", "gateway", "--port", str(port), "--health-poll-s", "0.5"],
-            f"127.0.0.1:{port}",
-            log_dir,
-        )
-        self.procs = [self.gateway]
-        for role in ("encoder", "language"):
-            wport = free_port()
-            args = ["serve", role, "--model-path", str(model_dir), "--port", str(wport)]
-            args += ["--gateway", self.gateway.address, "--heartbeat-interval-s", "0.5"]
-            self.procs.append(ServiceProcess(role, args, f"127.0.0.1:{wport}", log_dir))
-        self.language = self.procs[2]
-        try:
-            for proc in self.procs:
-                proc.wait_healthy(STARTUP_S)
-            self._wait_registered()
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_registered(self) -> None:
-        want = {p.address for p in self.procs[1:]}
-        deadline = time.monotonic() + STARTUP_S
-        with GatewayClient(self.gateway.address) as client:
-            while time.monotonic() < deadline:
-                if want <= {w.address for w in client.list_workers() if w.healthy}:
-                    return
-                time.sleep(0.1)
-        raise TimeoutError("workers did not register with the gateway")
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
 
 
 # ---- measurements ---------------------------------------------------------------------------
@@ -201,7 +160,7 @@ def gateway_overhead_ms(stack: LocalStack, rounds: int) -> dict[str, float]:
     via, direct = [], []
     with (
         GatewayClient(stack.gateway.address) as client,
-        create_channel(stack.language.address) as channel,
+        create_channel(stack.languages[0].address) as channel,
     ):
         stub = language_pb2_grpc.LanguageServiceStub(channel)
         for i in range(rounds + 2):  # the first two warm both paths up
@@ -244,7 +203,7 @@ def bench(args: argparse.Namespace) -> dict:
     model_dir = args.model_path or ensure_tiny_model("qwen2_5_vl", "demo")
     scale = 3 if args.quick else 1
     with tempfile.TemporaryDirectory(prefix="epd-bench-e2e-") as log_dir:
-        stack = LocalStack(Path(model_dir), Path(log_dir))
+        stack = start_local_stack(Path(model_dir), Path(log_dir), startup_timeout_s=STARTUP_S)
         try:
             rows = []
             with GatewayClient(stack.gateway.address) as client:  # warm-up

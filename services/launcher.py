@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.procs import ServiceProcess, free_port
+from services.local_stack import start_local_stack
 
 DEMO_PROMPT = "Describe this image."
 
@@ -43,65 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
-
-
-def start_stack(model_path: Path, args: argparse.Namespace, log_dir: Path) -> list[ServiceProcess]:
-    """Start gateway, encoders and language workers; return them once all are healthy."""
-    gateway = f"127.0.0.1:{args.gateway_port}"
-    procs: list[ServiceProcess] = []
-
-    def metrics_args() -> list[str]:
-        return ["--metrics-port", str(free_port())] if args.metrics else []
-
-    procs.append(
-        ServiceProcess(
-            "gateway",
-            ["serve", "gateway", "--port", str(args.gateway_port), *metrics_args()],
-            gateway,
-            log_dir,
-        )
-    )
-    for role, count in (("encoder", args.encoders), ("language", args.languages)):
-        for i in range(count):
-            port = free_port()
-            procs.append(
-                ServiceProcess(
-                    f"{role}-{i}",
-                    [
-                        "serve",
-                        role,
-                        "--model-path",
-                        str(model_path),
-                        "--port",
-                        str(port),
-                        "--gateway",
-                        gateway,
-                        *metrics_args(),
-                    ],
-                    f"127.0.0.1:{port}",
-                    log_dir,
-                )
-            )
-    for proc in procs:
-        _say(f"  starting {proc.name:<12} {proc.address}")
-    for proc in procs:
-        proc.wait_healthy(args.startup_timeout)
-        _say(f"  healthy   {proc.name:<12} {proc.address}")
-    return procs
-
-
-def wait_registered(gateway: str, num_encoders: int, num_languages: int, timeout_s: float):
-    from services.gateway.client import GatewayClient
-
-    deadline = time.monotonic() + timeout_s
-    with GatewayClient(gateway) as client:
-        while time.monotonic() < deadline:
-            workers = [w for w in client.list_workers() if w.healthy]
-            roles = [w.role for w in workers]
-            if roles.count("encoder") >= num_encoders and roles.count("language") >= num_languages:
-                return
-            time.sleep(0.2)
-    raise TimeoutError("workers did not register with the gateway in time")
 
 
 def demo_image():
@@ -149,10 +90,20 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     _say(f"logs:  {log_dir}")
     gateway = f"127.0.0.1:{args.gateway_port}"
-    procs: list[ServiceProcess] = []
+    stack = None
     try:
-        procs = start_stack(args.model_path, args, log_dir)
-        wait_registered(gateway, args.encoders, args.languages, args.startup_timeout)
+        stack = start_local_stack(
+            args.model_path,
+            log_dir,
+            args.encoders,
+            args.languages,
+            gateway_port=args.gateway_port,
+            metrics=args.metrics,
+            startup_timeout_s=args.startup_timeout,
+            on_progress=_say,
+        )
+        for name, port in stack.metrics_ports.items():
+            _say(f"  metrics   {name:<12} http://127.0.0.1:{port}/metrics")
         run_demo(gateway, args.max_tokens)
         if args.once:
             return 0
@@ -160,13 +111,13 @@ def run(args: argparse.Namespace) -> int:
             f"\nserving on {gateway} (Ctrl-C to stop); try: epd generate --gateway {gateway} "
             "--prompt 'Hello'"
         )
-        while all(p.alive() for p in procs):
+        while all(p.alive() for p in stack.procs):
             time.sleep(1.0)
-        dead = [p for p in procs if not p.alive()]
+        dead = [p for p in stack.procs if not p.alive()]
         _say(f"{dead[0].name} exited:\n{dead[0].tail()}")
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        if stack is not None:
+            stack.stop()

@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from common.models.tiny import ensure_tiny_model
-    from services.launcher import run_demo, wait_registered
+    from services.gateway.client import GatewayClient
+    from services.launcher import run_demo
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     model_path = args.model_path or str(ensure_tiny_model(args.arch, "demo"))
@@ -144,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
                 )
         addresses = ray.get([a.address.remote() for a in actors[1:]], timeout=args.startup_timeout)
         print("workers: " + ", ".join(addresses), flush=True)
-        wait_registered(gateway_address, args.encoders, args.languages, args.startup_timeout)
+        with GatewayClient(gateway_address) as client:
+            client.wait_for_workers(args.encoders, args.languages, args.startup_timeout)
         run_demo(gateway_address, max_tokens=16)
         if args.once:
             return 0

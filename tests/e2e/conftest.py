@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import io
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from common.procs import ServiceProcess, free_port
 from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc, language_pb2, language_pb2_grpc
-from services.gateway.client import GatewayClient
 from services.gateway.workers import create_channel
+from services.local_stack import LocalStack, start_local_stack
 
 STARTUP_S = 120.0
 # Short transfer timeouts so fault tests finish quickly.
@@ -44,16 +42,8 @@ def noise_image(seed: int, width: int = 112, height: int | None = None) -> Image
     return Image.fromarray(pixels)
 
 
-@dataclass
-class Stack:
-    gateway: ServiceProcess
-    encoders: list[ServiceProcess]
-    languages: list[ServiceProcess]
-    procs: list[ServiceProcess] = field(default_factory=list)
-    metrics_ports: dict[str, int] = field(default_factory=dict)
-
-    def client(self) -> GatewayClient:
-        return GatewayClient(self.gateway.address)
+class Stack(LocalStack):
+    """A local stack plus what the tests inspect: workers' load reports and leaks."""
 
     def encoder_load(self, i: int = 0) -> encoder_pb2.LoadReport:
         with create_channel(self.encoders[i].address) as channel:
@@ -99,67 +89,28 @@ class Stack:
         assert leaks == [], leaks
 
     def wait_registered(self, timeout_s: float = STARTUP_S) -> None:
-        want = {p.address for p in self.encoders + self.languages if p.alive()}
-        deadline = time.monotonic() + timeout_s
-        with self.client() as client:
-            while time.monotonic() < deadline:
-                healthy = {w.address for w in client.list_workers() if w.healthy}
-                if want <= healthy:
-                    return
-                time.sleep(0.1)
-        raise TimeoutError(f"workers not registered: {want}")
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
+        super().wait_registered(timeout_s)
 
 
 def start_stack(
     model_dir: Path,
     log_dir: Path,
-    num_encoders: int = 1,
-    num_languages: int = 1,
     gateway_args: tuple[str, ...] = (),
     worker_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
-    metrics: bool = False,
+    **kwargs,
 ) -> Stack:
-    """Start and wait until every worker is registered. With ``metrics``, each process serves
-    Prometheus metrics on a free port, recorded in ``Stack.metrics_ports`` by process name."""
-    env = {**FAST_TRANSFER_ENV, **(env or {})}
-    metrics_ports: dict[str, int] = {}
-
-    def metrics_args(name: str) -> list[str]:
-        if not metrics:
-            return []
-        metrics_ports[name] = free_port()
-        return ["--metrics-port", str(metrics_ports[name])]
-
-    port = free_port()
-    gateway_cmd = ["serve", "gateway", "--port", str(port), "--worker-expiry-s", "3",
-                   "--health-poll-s", "0.5", *metrics_args("gateway"), *gateway_args]  # fmt: skip
-    gateway = ServiceProcess("gateway", gateway_cmd, f"127.0.0.1:{port}", log_dir, env)
-    stack = Stack(gateway, [], [], [gateway], metrics_ports)
-    for role, count, group in (
-        ("encoder", num_encoders, stack.encoders),
-        ("language", num_languages, stack.languages),
-    ):
-        for i in range(count):
-            name, wport = f"{role}-{i}", free_port()
-            cmd = ["serve", role, "--model-path", str(model_dir), "--port", str(wport),
-                   "--gateway", gateway.address, "--heartbeat-interval-s", "0.5",
-                   *metrics_args(name), *worker_args]  # fmt: skip
-            proc = ServiceProcess(name, cmd, f"127.0.0.1:{wport}", log_dir, env)
-            group.append(proc)
-            stack.procs.append(proc)
-    try:
-        for proc in stack.procs:
-            proc.wait_healthy(STARTUP_S)
-        stack.wait_registered()
-    except BaseException:
-        stack.stop()
-        raise
-    return stack
+    """A stack with short expiry, heartbeat and transfer timeouts, so fault tests are quick."""
+    return start_local_stack(
+        model_dir,
+        log_dir,
+        gateway_args=("--worker-expiry-s", "3", "--health-poll-s", "0.5", *gateway_args),
+        worker_args=("--heartbeat-interval-s", "0.5", *worker_args),
+        env={**FAST_TRANSFER_ENV, **(env or {})},
+        startup_timeout_s=STARTUP_S,
+        stack_cls=Stack,
+        **kwargs,
+    )
 
 
 @pytest.fixture

@@ -68,7 +68,7 @@ def test_preprocessing_parameters_change_the_key(qwen25_dir):
     assert keys[0] != keys[1]
 
 
-def _submit_all(pipe, prompts):
+def _submit_all(pipe, prompts, after_submit=None):
     results = [None] * len(prompts)
     done = [threading.Event() for _ in prompts]
 
@@ -81,6 +81,8 @@ def _submit_all(pipe, prompts):
 
     for i, prompt in enumerate(prompts):
         pipe.submit(prompt, callback(i))
+    if after_submit is not None:
+        after_submit()
     for event in done:
         assert event.wait(30)
     return results
@@ -94,17 +96,24 @@ def test_batched_requests_match_one_by_one(qwen25_dir):
 
     pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", cache_mb=0))
     try:
-        # hold the loop so that all requests are queued before the first step
+        # hold the loop inside the blocker's forward until all requests are queued
         gate = threading.Lock()
         gate.acquire()
+        entered = threading.Event()
         forward = pipe.batcher._forward
-        pipe.batcher._forward = lambda p, g: (gate.acquire(), gate.release(), forward(p, g))[2]
+
+        def held_forward(pixels, grids):
+            entered.set()
+            with gate:
+                return forward(pixels, grids)
+
+        pipe.batcher._forward = held_forward
         prompts = [pipe.prepare(user_turn(1), [img]) for img in images]
         prompts.append(pipe.prepare(user_turn(1), [images[0]]))  # a duplicate in the batch
         blocker = pipe.prepare(user_turn(1), [noise_image(56, 56, 99)])
         pipe.submit(blocker, lambda e, err: None)
-        threading.Timer(0.3, gate.release).start()
-        results = _submit_all(pipe, prompts)
+        assert entered.wait(30)  # the loop is now busy with the blocker alone
+        results = _submit_all(pipe, prompts, after_submit=gate.release)
         assert pipe.batcher.num_forwards == 2  # the blocker, then all the others at once
         assert pipe.batcher.num_images_encoded == 4  # the duplicate ran once
         for got, want in zip(results, expected + expected[:1], strict=True):

@@ -1,0 +1,108 @@
+"""A whole stack on 127.0.0.1: a gateway, N encoders, M language workers, each a process.
+
+Used by ``epd run``, the end-to-end benchmark and the end-to-end tests, so all three start the
+services the same way: ``epd serve ROLE`` children that register with the gateway by heartbeat.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from common.procs import ServiceProcess, free_port
+
+
+@dataclass
+class LocalStack:
+    gateway: ServiceProcess
+    encoders: list[ServiceProcess] = field(default_factory=list)
+    languages: list[ServiceProcess] = field(default_factory=list)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # by process name
+
+    @property
+    def procs(self) -> list[ServiceProcess]:
+        return [self.gateway, *self.encoders, *self.languages]
+
+    def client(self):
+        from services.gateway.client import GatewayClient
+
+        return GatewayClient(self.gateway.address)
+
+    def wait_registered(self, timeout_s: float) -> None:
+        """Until every live worker is registered and healthy at the gateway."""
+        want = {p.address for p in self.encoders + self.languages if p.alive()}
+        deadline = time.monotonic() + timeout_s
+        with self.client() as client:
+            while time.monotonic() < deadline:
+                if want <= {w.address for w in client.list_workers() if w.healthy}:
+                    return
+                time.sleep(0.1)
+        raise TimeoutError(f"workers not registered with the gateway: {sorted(want)}")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+S = TypeVar("S", bound=LocalStack)
+
+
+def start_local_stack(
+    model_dir: Path,
+    log_dir: Path,
+    num_encoders: int = 1,
+    num_languages: int = 1,
+    gateway_port: int = 0,
+    gateway_args: tuple[str, ...] = (),
+    worker_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    metrics: bool = False,
+    startup_timeout_s: float = 180.0,
+    on_progress: Callable[[str], None] | None = None,
+    stack_cls: type[S] = LocalStack,
+) -> S:
+    """Start everything and return once all workers are healthy and registered.
+
+    With ``metrics`` each process serves Prometheus metrics on a free port. On any failure the
+    processes already started are stopped before the error propagates.
+    """
+    say = on_progress or (lambda _msg: None)
+    metrics_ports: dict[str, int] = {}
+
+    def metrics_args(name: str) -> list[str]:
+        if not metrics:
+            return []
+        metrics_ports[name] = free_port()
+        return ["--metrics-port", str(metrics_ports[name])]
+
+    port = gateway_port or free_port()
+    gateway_cmd = ["serve", "gateway", "--port", str(port), *metrics_args("gateway"),
+                   *gateway_args]  # fmt: skip
+    stack = stack_cls(
+        ServiceProcess("gateway", gateway_cmd, f"127.0.0.1:{port}", log_dir, env),
+        metrics_ports=metrics_ports,
+    )
+    try:
+        for role, count, group in (
+            ("encoder", num_encoders, stack.encoders),
+            ("language", num_languages, stack.languages),
+        ):
+            for i in range(count):
+                name, wport = f"{role}-{i}", free_port()
+                cmd = ["serve", role, "--model-path", str(model_dir), "--port", str(wport),
+                       "--gateway", stack.gateway.address, *metrics_args(name),
+                       *worker_args]  # fmt: skip
+                group.append(ServiceProcess(name, cmd, f"127.0.0.1:{wport}", log_dir, env))
+        for proc in stack.procs:
+            say(f"  starting {proc.name:<12} {proc.address}")
+        for proc in stack.procs:
+            proc.wait_healthy(startup_timeout_s)
+            say(f"  healthy   {proc.name:<12} {proc.address}")
+        stack.wait_registered(startup_timeout_s)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
