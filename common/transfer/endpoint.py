@@ -116,6 +116,17 @@ class TransferEndpoint(ABC):
     @abstractmethod
     def _on_tick(self, now: float) -> None: ...
 
+    def _common_stats(self) -> dict:
+        """Rooms by state and block counters; the caller holds the lock. Subclasses keep their
+        live rooms in ``_rooms`` (room -> state holder) and ended ones in ``_finished``."""
+        by_state = collections.Counter(r.state.name for r in self._rooms.values())
+        finished = collections.Counter(s.name for s in self._finished.values())
+        return {
+            "rooms_active": dict(by_state),
+            "rooms_finished": dict(finished),
+            **self._block_stats(),
+        }
+
     def _block_stats(self) -> dict:
         return {
             "num_free_blocks": self.allocator.num_free_blocks,

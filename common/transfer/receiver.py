@@ -101,12 +101,8 @@ class EmbeddingReceiver(TransferEndpoint):
 
     def stats(self) -> dict:
         with self._lock:
-            by_state = collections.Counter(r.state.name for r in self._rooms.values())
-            finished = collections.Counter(s.name for s in self._finished.values())
             return {
-                "rooms_active": dict(by_state),
-                "rooms_finished": dict(finished),
-                **self._block_stats(),
+                **self._common_stats(),
                 "num_quarantined_blocks": sum(
                     len(a.block_ids) for q in self._quarantine.values() for a, _ in q
                 ),

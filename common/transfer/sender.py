@@ -117,12 +117,8 @@ class EmbeddingSender(TransferEndpoint):
 
     def stats(self) -> dict:
         with self._lock:
-            by_state = collections.Counter(r.state.name for r in self._rooms.values())
-            finished = collections.Counter(s.name for s in self._finished.values())
             return {
-                "rooms_active": dict(by_state),
-                "rooms_finished": dict(finished),
-                **self._block_stats(),
+                **self._common_stats(),
                 "bytes_sent": self.bytes_sent,
                 "num_transfers": self.num_transfers,
                 "write_seconds": self.write_seconds,
