@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,9 +46,22 @@ def start_server(
     return bound, health_servicer
 
 
-def wait_for_termination() -> None:
-    """Block until SIGINT or SIGTERM (the main thread of a serving process)."""
+@dataclass(frozen=True)
+class Running:
+    """A started service (``start(args)`` of a server module): its port, a line that says where
+    it listens, and how to stop everything it started."""
+
+    port: int
+    banner: str
+    stop: Callable[[], object]
+
+
+def serve_until_terminated(running: Running) -> int:
+    """The main thread of ``epd serve ROLE``: announce, block until SIGINT/SIGTERM, stop."""
+    print(running.banner, flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    running.stop()
+    return 0

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from common.cli_config import add_cli_args, field, from_cli_args
 from common.registration import Registrar
+from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
+from common.transfer.config import TransferConfig
 
 
 @dataclass(frozen=True)
@@ -72,18 +74,12 @@ class WorkerRuntime:
 
 def add_worker_arguments(parser: argparse.ArgumentParser, env_prefix: str) -> None:
     """Flags of the configs every worker nests: registration/metrics and the transfer plane."""
-    from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
-    from common.transfer.config import TransferConfig
-
     add_cli_args(parser, WorkerConfig, env_prefix)
     add_cli_args(parser, TransferConfig, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
 
 
 def worker_configs(args: argparse.Namespace, env_prefix: str) -> dict:
     """``{"worker": WorkerConfig, "transfer": TransferConfig}`` to nest in a service config."""
-    from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
-    from common.transfer.config import TransferConfig
-
     return {
         "worker": from_cli_args(WorkerConfig, args, env_prefix),
         "transfer": from_cli_args(

@@ -41,25 +41,9 @@ class ServiceActor:
         module = importlib.import_module(module_name)
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)
-        args = parser.parse_args(argv)
-        if self.role == "gateway":
-            from common.cli_config import from_cli_args
-            from services.gateway.config import ENV_PREFIX, GatewayConfig
-
-            handle = module.serve(from_cli_args(GatewayConfig, args, ENV_PREFIX))
-            self.port = handle.port
-            return handle.stop
-        if self.role == "encoder":
-            config = module.config_from_args(args)
-            server, service, port = module.serve(args.model_path, config)
-            self.port = port
-            runtime = module.start_runtime(config, service, port)
-            return lambda: (runtime.stop(), server.stop(2).wait(), service.close())
-        config = module.config_from_args(args)
-        handle = module.serve_with_receiver(config)
-        self.port = handle.port
-        runtime = module.start_runtime(config, handle)
-        return lambda: (runtime.stop(), handle.stop())
+        running = module.start(parser.parse_args(argv))
+        self.port = running.port
+        return running.stop
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 
 from common.cli_config import add_cli_args, from_cli_args
-from common.grpc_server import create_server, start_server, wait_for_termination
+from common.grpc_server import Running, create_server, serve_until_terminated, start_server
 from common.worker import WorkerRuntime, add_worker_arguments, worker_configs
 from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -57,18 +57,24 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
     return from_cli_args(EncoderConfig, args, ENV_PREFIX, **worker_configs(args, ENV_PREFIX))
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+def start(args: argparse.Namespace) -> Running:
+    """Serve, register with the gateway, expose metrics (``epd serve encoder`` and Ray)."""
     config = config_from_args(args)
     server, service, port = serve(args.model_path, config)
-    endpoint = service.sender.endpoint
     runtime = start_runtime(config, service, port)
-    print(f"encoder listening on {config.host}:{port} sender={endpoint}", flush=True)
-    wait_for_termination()
-    runtime.stop()
-    server.stop(grace=5).wait()
-    service.close()
-    return 0
+
+    def stop() -> None:
+        runtime.stop()
+        server.stop(grace=5).wait()
+        service.close()
+
+    banner = f"encoder listening on {config.host}:{port} sender={service.sender.endpoint}"
+    return Running(port, banner, stop)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return serve_until_terminated(start(args))
 
 
 def start_runtime(config: EncoderConfig, service: EncoderService, port: int) -> WorkerRuntime:

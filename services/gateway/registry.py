@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-ROLES = ("encoder", "language")
-
 
 class Role(str, Enum):
     ENCODER = "encoder"
     LANGUAGE = "language"
+
+
+ROLES = tuple(role.value for role in Role)
 
 
 @dataclass

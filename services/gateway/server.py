@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health
 
 from common.cli_config import add_cli_args, from_cli_args
-from common.grpc_server import create_server, start_server, wait_for_termination
+from common.grpc_server import Running, create_server, serve_until_terminated, start_server
 from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
 from services.gateway import workers as calls
 from services.gateway.admission import Admission
@@ -113,8 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cli_args(parser, GatewayConfig, ENV_PREFIX)
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+def start(args: argparse.Namespace) -> Running:
+    """Serve and expose metrics (``epd serve gateway`` and Ray)."""
     config = from_cli_args(GatewayConfig, args, ENV_PREFIX)
     handle = serve(config)
     metrics_server = None
@@ -122,9 +122,15 @@ def run(args: argparse.Namespace) -> int:
         from common.metrics import start_metrics_server
 
         metrics_server = start_metrics_server(config.metrics_port, handle.metrics.registry)
-    print(f"gateway listening on {config.host}:{handle.port}", flush=True)
-    wait_for_termination()
-    if metrics_server is not None:
-        metrics_server.shutdown()
-    handle.stop()
-    return 0
+
+    def stop() -> None:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        handle.stop()
+
+    return Running(handle.port, f"gateway listening on {config.host}:{handle.port}", stop)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return serve_until_terminated(start(args))

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health
 
 from common.cli_config import add_cli_args, from_cli_args
-from common.grpc_server import create_server, start_server, wait_for_termination
+from common.grpc_server import Running, create_server, serve_until_terminated, start_server
 from common.worker import WorkerRuntime, add_worker_arguments, worker_configs
 from protos.epd.v1 import language_pb2_grpc
 from services.language.config import ENV_PREFIX, LanguageConfig
@@ -104,18 +104,24 @@ def load_figures(handle: LanguageServer) -> dict[str, float]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+def start(args: argparse.Namespace) -> Running:
+    """Serve, register with the gateway, expose metrics (``epd serve language`` and Ray)."""
     config = config_from_args(args)
     if not config.model_path:
         raise SystemExit("--model-path is required")
     handle = serve_with_receiver(config)
     runtime = start_runtime(config, handle)
-    print(f"language worker listening on {config.host}:{handle.port}", flush=True)
-    wait_for_termination()
-    runtime.stop()
-    handle.stop()
-    return 0
+
+    def stop() -> None:
+        runtime.stop()
+        handle.stop()
+
+    return Running(handle.port, f"language worker listening on {config.host}:{handle.port}", stop)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return serve_until_terminated(start(args))
 
 
 def main() -> int:
