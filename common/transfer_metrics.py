@@ -67,5 +67,12 @@ def transfer_collector(side: str, stats_fn: Callable[[], dict]) -> StatsCollecto
             ),
             ("gauge", "transfer_blocks_free", "free 128-token blocks", "num_free_blocks", labels),
             ("gauge", "transfer_blocks_used", "used 128-token blocks", "num_used_blocks", labels),
+            (
+                "gauge",
+                "transfer_blocks_lent",
+                "used blocks lent to delivered rooms (zero-copy, until the engine releases them)",
+                "num_lent_blocks",
+                labels,
+            ),
         ],
     )

@@ -77,15 +77,34 @@ class BlockAllocator:
 
     def free(self, allocation: Allocation) -> None:
         with self._lock:
-            for block_id in allocation.block_ids:
-                if self._owner.get(block_id) != allocation:
-                    raise AllocatorError(
-                        f"block {block_id} is not owned by this allocation "
-                        "(double free or foreign id)"
-                    )
-            for block_id in allocation.block_ids:
-                del self._owner[block_id]
-                heapq.heappush(self._free, block_id)
+            self._check_live(allocation)
+            self._release(allocation.block_ids)
+
+    def shrink(self, allocation: Allocation, num_tokens: int) -> Allocation:
+        """Keep the leading blocks ``num_tokens`` need and free the rest; the returned
+        allocation replaces ``allocation``, which is no longer live."""
+        num = self.blocks_for(num_tokens)
+        if not 0 < num_tokens <= allocation.capacity(self.block_size):
+            raise AllocatorError(f"cannot shrink {allocation} to {num_tokens} tokens")
+        with self._lock:
+            self._check_live(allocation)
+            kept = Allocation(allocation.block_ids[:num], num_tokens)
+            for block_id in kept.block_ids:
+                self._owner[block_id] = kept
+            self._release(allocation.block_ids[num:])
+            return kept
+
+    def _check_live(self, allocation: Allocation) -> None:
+        for block_id in allocation.block_ids:
+            if self._owner.get(block_id) != allocation:
+                raise AllocatorError(
+                    f"block {block_id} is not owned by this allocation (double free or foreign id)"
+                )
+
+    def _release(self, block_ids: tuple[int, ...]) -> None:
+        for block_id in block_ids:
+            del self._owner[block_id]
+            heapq.heappush(self._free, block_id)
 
     @property
     def num_free_blocks(self) -> int:

@@ -88,6 +88,17 @@ class DataBuffers:
         """Copy row slots 0..count-1 into ``out`` (contiguous ``[count, row_width]``)."""
         _gather_into(self.rows, self.runs(block_ids, 0, count), out)
 
+    def row_view(self, block_ids: Sequence[int], count: int) -> torch.Tensor | None:
+        """Row slots 0..count-1 as one view into the buffer, or None when they are not one run.
+
+        The view aliases the blocks: it is valid only while they stay allocated to the caller.
+        """
+        runs = self.runs(block_ids, 0, count)
+        if len(runs) != 1:
+            return None
+        slot, length = runs[0]
+        return self.rows[slot : slot + length]
+
     def aux_bytes(self, block_id: int) -> bytes:
         return self.aux[block_id].numpy().tobytes()
 

@@ -36,6 +36,11 @@ class TransferConfig:
     heartbeat_interval_s: float = field(1.0, help="seconds between heartbeats to each peer")
     heartbeat_timeout_s: float = field(5.0, help="a peer silent this long fails its rooms")
     num_writers: int = field(4, help="sender threads issuing writes (a slow peer blocks one)")
+    max_lent_fraction: float = field(
+        0.5,
+        help="share of the receive buffer that delivered rooms may keep lent to their consumer "
+        "(zero-copy) until released; other rooms are copied out (0 always copies)",
+    )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -65,6 +70,8 @@ class TransferConfig:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
         if self.num_writers <= 0:
             raise ValueError("num_writers must be positive")
+        if not 0.0 <= self.max_lent_fraction <= 1.0:
+            raise ValueError(f"max_lent_fraction must be in [0, 1], got {self.max_lent_fraction}")
 
     @property
     def default_blocks(self) -> int:

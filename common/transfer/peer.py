@@ -7,11 +7,18 @@ Used by the integration tests and the benchmark to put the two ends in separate 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
+
+import torch
+
+from common.procs import runtime_env
 
 from .config import TransferConfig
 from .layout import BufferLayout
@@ -93,6 +100,7 @@ class _Handler:
                 outcome[spec.seed] = ("ok", got.num_transfers)
             else:
                 outcome[spec.seed] = "mismatch"
+            self.side.release(spec.seed)
         return {"elapsed_s": elapsed, "rooms": outcome}
 
     def _collect(self, rooms: set[int], timeout_s: float) -> dict:
@@ -104,10 +112,18 @@ class _Handler:
         return results
 
     def raw_write(self, session: str, dst_addr: int, nbytes: int, repeats: int) -> list[float]:
-        """Times (s) of a plain single-region write of ``nbytes`` from our rows region."""
+        """Times (s) of a plain single-region write of ``nbytes`` from our rows region.
+
+        Before each write the source bytes are replaced by fresh ones, copied in the way
+        ``submit`` copies a request in: the baseline moves newly produced data, as the protocol
+        does, not the same cache-hot bytes again and again.
+        """
         src = self.side.buffers.base("rows")
+        region = self.side.buffers.regions["rows"].data
         times = []
         for _ in range(repeats):
+            fresh = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+            ctypes.memmove(region.data_ptr(), fresh.data_ptr(), nbytes)
             start = time.perf_counter()
             if session.startswith("shm:"):
                 self.side.shm.write(session[4:], [src], [dst_addr], [nbytes])
@@ -131,14 +147,26 @@ class _Handler:
         return True
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 class Peer:
-    """Parent-side handle of a peer process."""
+    """Parent-side handle of a peer process (started with the serving ``runtime_env``)."""
 
     def __init__(self, role: str, config: TransferConfig, layout: BufferLayout) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, role, config, layout), daemon=True)
-        self.process.start()
+        with _environment(runtime_env()):  # a spawned child takes our environment at start
+            self.process.start()
         child.close()
         self.endpoint: str = self._reply(120.0)
 

@@ -8,6 +8,12 @@ Room flow (receiver view)::
                               alloc_up_to(rest), continuation init with sent_tokens = received)
              -> SUCCESS (the whole request is assembled)   | FAILED from anywhere
 
+Zero-copy delivery: a room that arrives whole in its first chunk, rows in one run of slots,
+is delivered as a view of its blocks (``ReceivedEmbeddings.lent``); the blocks stay lent until
+the consumer calls ``release(room)``. Lent blocks stay within ``config.max_lent_fraction`` of
+the buffer and never take the space a new room's default allocation needs; other rooms are
+copied out and their blocks freed at once.
+
 Buffer priority: waiting continuations are served before any new room. Blocks into which a
 write may still land (an init is out) are never freed on failure or abort: they go to
 quarantine until the sender acknowledges (a FAILED status without ``write_in_flight``) or
@@ -26,13 +32,13 @@ from protos.epd.v1 import transfer_pb2
 
 from . import aux_record
 from .allocator import Allocation
-from .aux_record import AUX_RECORD_BYTES
+from .aux_record import AUX_RECORD_BYTES, ChunkInfo
 from .config import TransferConfig
 from .endpoint import TransferEndpoint
 from .layout import BufferLayout, dtype_name
 from .receiver_room import ReceiverRoom
 from .transport import uses_shm
-from .types import ReceivedEmbeddings, RoomState, TransferError
+from .types import AuxInfo, ReceivedEmbeddings, RoomState, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +54,9 @@ class EmbeddingReceiver(TransferEndpoint):
         self._new_queue: collections.deque[int] = collections.deque()
         self._cont_queue: collections.deque[int] = collections.deque()
         self._quarantine: dict[int, list[tuple[Allocation, float]]] = {}
+        self._lent: dict[int, Allocation] = {}  # delivered rooms whose rows are views of these
+        self._num_lent_blocks = 0
+        self.num_rooms_lent = 0  # lifetime count of rooms delivered without a copy
         self._failed_by_reason: collections.Counter[str] = collections.Counter()
         self.bytes_received = 0
         self.num_transfers = 0
@@ -90,6 +99,18 @@ class EmbeddingReceiver(TransferEndpoint):
             done, self._done = self._done, []
             return done
 
+    def release(self, room: int) -> None:
+        """The consumer is done with delivered ``room``: blocks lent to it are free again.
+
+        Call it once for every delivered room (a no-op for one whose data was copied out);
+        a lent ``image_rows`` view must not be used afterwards.
+        """
+        with self._lock:
+            allocation = self._lent.pop(room, None)
+            if allocation is not None:
+                self._num_lent_blocks -= len(allocation.block_ids)
+                self._free(allocation)
+
     def abort(self, room: int) -> None:
         """Drop ``room`` whatever its state; blocks a write may still hit stay quarantined."""
         with self._lock:
@@ -98,6 +119,7 @@ class EmbeddingReceiver(TransferEndpoint):
                 self._fail(state, "aborted: by the receiver", report=False)
             self._done = [d for d in self._done if d[0] != room]
             self._finished.pop(room, None)
+            self.release(room)
 
     def stats(self) -> dict:
         with self._lock:
@@ -106,6 +128,9 @@ class EmbeddingReceiver(TransferEndpoint):
                 "num_quarantined_blocks": sum(
                     len(a.block_ids) for q in self._quarantine.values() for a, _ in q
                 ),
+                "num_lent_blocks": self._num_lent_blocks,
+                "num_lent_rooms": len(self._lent),
+                "num_rooms_lent": self.num_rooms_lent,
                 "num_waiting_continuations": len(self._cont_queue),
                 "num_waiting_rooms": len(self._new_queue),
                 "bytes_received": self.bytes_received,
@@ -118,6 +143,8 @@ class EmbeddingReceiver(TransferEndpoint):
         with self._lock:
             for state in list(self._rooms.values()):
                 self._fail(state, "closed: receiver shut down", report=False)
+            for room in list(self._lent):
+                self.release(room)
         self._close_endpoint()
 
     # ---- buffers and inits ------------------------------------------------------------------
@@ -186,6 +213,19 @@ class EmbeddingReceiver(TransferEndpoint):
             self._new_queue.popleft()
             self._send_init(state, allocation)
 
+    def _may_lend(self, aux: AuxInfo, chunk: ChunkInfo) -> bool:
+        """Whether a chunk holding the whole request may keep its blocks as the delivered rows:
+        lent blocks stay within ``max_lent_fraction`` of the buffer and always leave room for
+        one new room's default allocation, so lending never stalls new rooms for long."""
+        if chunk.chunk_start or chunk.num_tokens != aux.total_tokens or not chunk.num_image_rows:
+            return False
+        num_blocks = self.layout.num_blocks
+        num_lent = self._num_lent_blocks + self.allocator.blocks_for(chunk.num_tokens)
+        return (
+            num_lent <= self.config.max_lent_fraction * num_blocks
+            and num_blocks - num_lent >= self.config.default_blocks
+        )
+
     def _free(self, allocation: Allocation) -> None:
         self.allocator.free(allocation)
         self._schedule()
@@ -251,7 +291,10 @@ class EmbeddingReceiver(TransferEndpoint):
         if not state.first_data_at and rstate in (RoomState.TRANSFERRING, RoomState.SUCCESS):
             state.first_data_at = time.monotonic()
         if rstate == RoomState.TRANSFERRING and status.num_tokens == 0:
-            if state.aux is None and status.num_image_rows <= status.total_tokens:
+            allocated = state.allocation.num_tokens if state.allocation else 0
+            continues = status.total_tokens > allocated  # else the chunk may be lent, no copy
+            if state.aux is None and continues and status.num_image_rows <= status.total_tokens:
+                # assemble the request's memory while the first chunk is on the wire
                 state.prepare(status.total_tokens, status.num_image_rows, self.layout)
             return
         if rstate not in (RoomState.TRANSFERRING, RoomState.SUCCESS) or not state.awaiting_write:
@@ -277,14 +320,21 @@ class EmbeddingReceiver(TransferEndpoint):
         if problem:
             self._fail(state, problem)
             return
-        state.absorb(self.buffers, aux, chunk)
+        lent = state.absorb(self.buffers, aux, chunk, self._may_lend(aux, chunk))
         self.num_transfers += 1
         self.bytes_received += chunk.num_tokens * 16 + chunk.num_image_rows * self.layout.row_bytes
         done = state.received == aux.total_tokens
         if done != (rstate == RoomState.SUCCESS):
             self._fail(state, f"aux_mismatch: status {rstate.name} at {state.received} tokens")
             return
-        self._release(state)
+        if lent:  # keep only the blocks the rows sit in
+            kept = self.allocator.shrink(state.allocation, chunk.num_tokens)
+            self._lent[state.room], state.allocation = kept, None
+            self._num_lent_blocks += len(kept.block_ids)
+            self.num_rooms_lent += 1
+            self._schedule()
+        else:
+            self._release(state)
         if done:
             state.move(RoomState.SUCCESS)
             if self.on_room_done is not None:

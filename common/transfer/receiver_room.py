@@ -32,6 +32,7 @@ class ReceiverRoom:
     fill_ids: np.ndarray | None = None
     positions: np.ndarray | None = None
     image_rows: torch.Tensor | None = None
+    lent: bool = False  # image_rows is a view of `allocation`'s blocks (whole request, one run)
 
     def move(self, state: RoomState) -> None:
         self.state = advance(self.state, state)
@@ -71,27 +72,43 @@ class ReceiverRoom:
         self.positions = np.zeros((3, total_tokens), dtype=np.int32)
         self.image_rows = torch.zeros((num_image_rows, layout.row_width), dtype=layout.dtype)
 
-    def absorb(self, buffers: DataBuffers, aux: AuxInfo, chunk: ChunkInfo) -> None:
-        """Copy a landed chunk out of our blocks into the assembled request."""
+    def absorb(self, buffers: DataBuffers, aux: AuxInfo, chunk: ChunkInfo, lend: bool) -> bool:
+        """Take a landed chunk out of our blocks; True when its rows stay there (lent).
+
+        With ``lend`` (the caller's word that this chunk is the whole request and that the
+        blocks may stay with the result) and the rows in one run of slots, ``image_rows`` is a
+        view of the blocks instead of a copy: the caller must keep them allocated until the
+        consumer releases the room. Token fields are always copied (a few bytes per token).
+        """
         assert self.allocation is not None
-        if self.aux is None:
-            self.aux = aux
-            prepared = self.image_rows is not None and self.fill_ids is not None
-            if not prepared or (len(self.fill_ids), len(self.image_rows)) != (
-                aux.total_tokens,
-                aux.num_image_rows,
-            ):
-                self.prepare(aux.total_tokens, aux.num_image_rows, buffers.layout)
-        start, end = chunk.chunk_start, chunk.chunk_start + chunk.num_tokens
-        fill, pos = buffers.read_tokens(self.allocation.block_ids, chunk.num_tokens)
-        self.fill_ids[start:end] = fill.numpy()
-        self.positions[:, start:end] = pos.numpy().T
+        ids = self.allocation.block_ids
         first, k = chunk.first_image_row, chunk.num_image_rows
-        if k:
-            buffers.read_rows(self.allocation.block_ids, k, self.image_rows[first : first + k])
+        start, end = chunk.chunk_start, chunk.chunk_start + chunk.num_tokens
+        fill, pos = buffers.read_tokens(ids, chunk.num_tokens)
+        view = buffers.row_view(ids, k) if lend and k else None
+        if view is not None:
+            self.aux = aux
+            self.fill_ids = fill.numpy()
+            self.positions = np.ascontiguousarray(pos.numpy().T)
+            self.image_rows = view
+        else:
+            if self.aux is None:
+                self.aux = aux
+                prepared = self.image_rows is not None and self.fill_ids is not None
+                if not prepared or (len(self.fill_ids), len(self.image_rows)) != (
+                    aux.total_tokens,
+                    aux.num_image_rows,
+                ):
+                    self.prepare(aux.total_tokens, aux.num_image_rows, buffers.layout)
+            self.fill_ids[start:end] = fill.numpy()
+            self.positions[:, start:end] = pos.numpy().T
+            if k:
+                buffers.read_rows(ids, k, self.image_rows[first : first + k])
         self.received = end
         self.num_image_rows_received = first + k
         self.num_transfers += 1
+        self.lent = view is not None
+        return self.lent
 
     def result(self) -> ReceivedEmbeddings:
         assert self.aux is not None
@@ -101,5 +118,6 @@ class ReceiverRoom:
             image_rows=self.image_rows,
             aux=self.aux,
             num_transfers=self.num_transfers,
+            lent=self.lent,
             transfer_s=time.monotonic() - self.first_data_at if self.first_data_at else 0.0,
         )

@@ -64,13 +64,20 @@ class AuxInfo:
 
 @dataclass
 class ReceivedEmbeddings:
-    """A fully assembled request on the language side."""
+    """A fully assembled request on the language side.
+
+    With ``lent``, ``image_rows`` is a view of the receiver's own blocks (no copy was made):
+    it stays valid until the consumer calls ``EmbeddingReceiver.release(room)``. Consumers call
+    ``release`` for every delivered room once they are done with it; it is a no-op for a
+    copied one.
+    """
 
     fill_ids: np.ndarray  # int32 [total_tokens]
     positions: np.ndarray  # int32 [3, total_tokens] (M-RoPE t/h/w)
     image_rows: torch.Tensor  # [num_image_rows, hidden*(1+num_deepstack)], token order
     aux: AuxInfo
     num_transfers: int  # first + continuations
+    lent: bool = False  # image_rows aliases receive blocks until the room is released
     transfer_s: float = 0.0  # first write announced -> last chunk landed (incl. continuations)
 
 

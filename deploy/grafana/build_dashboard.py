@@ -313,13 +313,15 @@ def panels() -> list[dict]:
             w=8,
         ),
         timeseries(
-            "Transfer blocks free / used",
+            "Transfer blocks free / used / lent",
             [
                 target("sum by (side) (epd_transfer_blocks_free)", "free {{side}}"),
                 target("sum by (side) (epd_transfer_blocks_used)", "used {{side}}"),
+                target("sum by (side) (epd_transfer_blocks_lent)", "lent {{side}}"),
             ],
             "short",
-            "128-token buffer blocks, summed over the pool, by side.",
+            "128-token buffer blocks, summed over the pool, by side. Lent blocks hold rows "
+            "delivered without a copy, until the language engine finishes the request.",
             w=24,
         ),
         row("Language"),

@@ -1,7 +1,8 @@
 """The one place the language engine touches the transfer plane.
 
 The engine sees an ``EmbeddingSource``: rooms are added with the encoder's endpoint, finished
-rooms come back as ``PromptInputs`` (or an exception), and aborts release the room's blocks.
+rooms come back as ``PromptInputs`` (or an exception), aborts release the room's blocks, and
+``release`` ends a delivered room (its image rows may be views of transfer blocks until then).
 ``ReceiverSource`` adapts ``common.transfer.receiver.EmbeddingReceiver`` to it.
 """
 
@@ -21,6 +22,10 @@ class EmbeddingSource(Protocol):
     def pop_done(self) -> list[tuple[int, PromptInputs | Exception]]: ...
 
     def abort(self, room: int) -> None: ...
+
+    def release(self, room: int) -> None:
+        """The engine is done with delivered ``room``'s inputs (called once per delivery)."""
+        ...
 
     def num_free_blocks(self) -> int: ...
 
@@ -44,11 +49,15 @@ class ReceiverSource:
             try:
                 done.append((room, PromptInputs.from_received(result, self.num_deepstack)))
             except ValueError as exc:
+                self.receiver.release(room)
                 done.append((room, exc))
         return done
 
     def abort(self, room: int) -> None:
         self.receiver.abort(room)
+
+    def release(self, room: int) -> None:
+        self.receiver.release(room)
 
     def num_free_blocks(self) -> int:
         return int(self.receiver.stats().get("num_free_blocks", -1))

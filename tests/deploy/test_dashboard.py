@@ -44,6 +44,7 @@ METRICS = {
     "epd_transfer_rooms": "gauge",
     "epd_transfer_blocks_free": "gauge",
     "epd_transfer_blocks_used": "gauge",
+    "epd_transfer_blocks_lent": "gauge",
     # language
     "epd_language_num_running_reqs": "gauge",
     "epd_language_num_waiting_reqs": "gauge",

@@ -43,6 +43,7 @@ def run_rooms(
         got = results[s.seed]
         assert isinstance(got, ReceivedEmbeddings), got
         assert matches(got, make_request(s, receiver.layout)), f"room {s.seed} differs"
+        receiver.release(s.seed)
     return results  # type: ignore[return-value]
 
 

@@ -58,6 +58,21 @@ def test_double_free_and_foreign_ids_raise_without_side_effects() -> None:
         alloc.alloc(0)
 
 
+def test_shrink_keeps_leading_blocks_and_frees_the_rest() -> None:
+    alloc = BlockAllocator(8, 4)
+    whole = alloc.alloc(16)  # blocks 0..3
+    kept = alloc.shrink(whole, 5)
+    assert kept == Allocation((0, 1), 5)
+    assert alloc.num_used_blocks == 2
+    with pytest.raises(AllocatorError):
+        alloc.free(whole)  # replaced by `kept`
+    with pytest.raises(AllocatorError):
+        alloc.shrink(kept, 9)  # more than it holds
+    assert alloc.alloc(8).block_ids == (2, 3)
+    alloc.free(kept)
+    assert alloc.num_used_blocks == 2
+
+
 def test_concurrent_alloc_free_keeps_invariants() -> None:
     alloc = BlockAllocator(64, 128)
     errors: list[Exception] = []

@@ -125,7 +125,8 @@ class LanguageEngine:
     def deliver_inputs(self, room: int, inputs: PromptInputs | Exception) -> list[RequestOutput]:
         """Embeddings of ``room`` arrived (or failed): move its request on."""
         req = self.receiving.pop(room, None)
-        if req is None:
+        if req is None:  # aborted meanwhile: nobody will use these inputs
+            self._release_room(room)
             return []
         if isinstance(inputs, Exception):
             return [self._finish(req, FinishReason.ERROR, error=str(inputs))]
@@ -223,7 +224,13 @@ class LanguageEngine:
             self.scheduler.remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self.requests.pop(req.request_id, None)
+        self._release_room(req.room)
         return self._output(req, token_ids or [], text, error)
+
+    def _release_room(self, room: int) -> None:
+        """Give a delivered room's transfer blocks back (its image rows may be views of them)."""
+        if room and self.embedding_source is not None:
+            self.embedding_source.release(room)
 
     def _output(
         self, req: Request, token_ids: list[int], text: str, error: str = ""

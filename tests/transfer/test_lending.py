@@ -1,0 +1,95 @@
+"""Zero-copy delivery: a room that arrives whole in one chunk keeps its blocks as its rows.
+
+Real Mooncake over tcp, sender in another process; every byte is checked before release.
+"""
+
+from __future__ import annotations
+
+from common.transfer.synthetic import make_request, matches
+from common.transfer.types import ReceivedEmbeddings
+
+from .conftest import assert_no_leaks, new_room
+from .helpers import collect, spec
+
+
+def _receive(sender, receiver, specs) -> dict[int, ReceivedEmbeddings]:
+    assert sender.ask("submit_all", specs)
+    for s in specs:
+        receiver.add_room(s.seed, sender.endpoint)
+    results = collect(receiver, {s.seed for s in specs})
+    for s in specs:
+        assert isinstance(results[s.seed], ReceivedEmbeddings), results[s.seed]
+        assert matches(results[s.seed], make_request(s, receiver.layout)), s
+    return results  # type: ignore[return-value]
+
+
+def _rows_in_buffer(receiver, got: ReceivedEmbeddings) -> bool:
+    region = receiver.buffers.regions["rows"]
+    return region.base <= got.image_rows.data_ptr() < region.base + region.nbytes
+
+
+def test_whole_room_is_lent_until_released(sender, make_receiver) -> None:
+    receiver = make_receiver(num_blocks=32, default_tokens=1024)
+    s = spec(new_room(), 900, 600)
+    got = _receive(sender, receiver, [s])[s.seed]
+    assert got.lent and _rows_in_buffer(receiver, got)
+    stats = receiver.stats()
+    assert (stats["num_lent_rooms"], stats["num_lent_blocks"]) == (1, 8)
+    assert stats["num_used_blocks"] == 8  # the blocks of 900 tokens; the rest went back
+    receiver.release(s.seed)
+    receiver.release(s.seed)  # idempotent
+    assert receiver.stats()["num_lent_blocks"] == 0
+    assert receiver.stats()["num_rooms_lent"] == 1
+    assert_no_leaks(sender, receiver)
+
+
+def test_continuations_and_text_only_rooms_are_copied(sender, make_receiver) -> None:
+    receiver = make_receiver(num_blocks=32, default_tokens=1024)
+    long, text = spec(new_room(), 1500, 1000), spec(new_room(), 300, 0)
+    results = _receive(sender, receiver, [long, text])
+    assert results[long.seed].num_transfers == 2
+    assert not results[long.seed].lent and not _rows_in_buffer(receiver, results[long.seed])
+    assert not results[text.seed].lent
+    assert receiver.stats()["num_used_blocks"] == 0  # copied rooms free their blocks at once
+    for s in (long, text):
+        receiver.release(s.seed)  # a no-op for copied rooms
+    assert_no_leaks(sender, receiver)
+
+
+def test_lending_stays_within_its_share_of_the_buffer(sender, make_receiver) -> None:
+    # 32 blocks, half may be lent, and a default allocation (8) must stay free: two rooms of
+    # 8 blocks are lent, the third is copied.
+    receiver = make_receiver(num_blocks=32, default_tokens=1024)
+    specs = [spec(new_room(), 1000, 900) for _ in range(3)]
+    results: dict[int, ReceivedEmbeddings] = {}
+    for s in specs:  # one at a time, so which room is lent is deterministic
+        results.update(_receive(sender, receiver, [s]))
+    assert [results[s.seed].lent for s in specs] == [True, True, False]
+    assert receiver.stats()["num_lent_blocks"] == 16
+    receiver.release(specs[0].seed)
+    extra = spec(new_room(), 1000, 900)
+    assert _receive(sender, receiver, [extra])[extra.seed].lent  # room again after a release
+    for s in [*specs, extra]:
+        receiver.release(s.seed)
+    assert_no_leaks(sender, receiver)
+
+
+def test_lending_off_always_copies(sender, make_receiver) -> None:
+    receiver = make_receiver(num_blocks=32, default_tokens=1024, max_lent_fraction=0.0)
+    s = spec(new_room(), 900, 900)
+    got = _receive(sender, receiver, [s])[s.seed]
+    assert not got.lent and receiver.stats()["num_used_blocks"] == 0
+    receiver.release(s.seed)
+    assert_no_leaks(sender, receiver)
+
+
+def test_abort_and_close_free_lent_blocks(sender, make_receiver) -> None:
+    receiver = make_receiver(num_blocks=32, default_tokens=1024)
+    first, second = spec(new_room(), 500, 500), spec(new_room(), 500, 500)
+    results = _receive(sender, receiver, [first, second])
+    assert results[first.seed].lent and results[second.seed].lent
+    receiver.abort(first.seed)  # the consumer gave up on a delivered room
+    assert receiver.stats()["num_lent_blocks"] == 4
+    receiver.close()  # what is still lent goes with the receiver
+    assert receiver.stats()["num_lent_blocks"] == 0
+    assert receiver.stats()["num_used_blocks"] == 0
