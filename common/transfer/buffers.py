@@ -103,7 +103,9 @@ class DataBuffers:
         return self.aux[block_id].numpy().tobytes()
 
     def set_aux(self, block_id: int, record: bytes) -> None:
-        self.aux[block_id, : len(record)] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
+        if len(record) > AUX_RECORD_BYTES:
+            raise ValueError(f"aux record of {len(record)} bytes exceeds {AUX_RECORD_BYTES}")
+        ctypes.memmove(self.aux[block_id].data_ptr(), record, len(record))
 
     def base(self, name: str) -> int:
         return self.regions[name].base

@@ -18,7 +18,7 @@ from .types import RoomState
 logger = logging.getLogger(__name__)
 
 TRANSFER_PROTOCOL_VERSION = 1  # major: bumped only on incompatible changes
-TRANSFER_PROTOCOL_MINOR = 0
+TRANSFER_PROTOCOL_MINOR = 1  # 1: TransferStatus.write_s
 
 
 class Decoded(NamedTuple):

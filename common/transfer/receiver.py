@@ -289,7 +289,8 @@ class EmbeddingReceiver(TransferEndpoint):
             self._fail(state, status.error or "sender_failed")
             return
         if not state.first_data_at and rstate in (RoomState.TRANSFERRING, RoomState.SUCCESS):
-            state.first_data_at = time.monotonic()
+            # the announcement (rooms that continue), or the first chunk minus its write time
+            state.first_data_at = time.monotonic() - max(0.0, status.write_s)
         if rstate == RoomState.TRANSFERRING and status.num_tokens == 0:
             allocated = state.allocation.num_tokens if state.allocation else 0
             continues = status.total_tokens > allocated  # else the chunk may be lent, no copy

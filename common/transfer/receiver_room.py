@@ -27,7 +27,7 @@ class ReceiverRoom:
     received: int = 0  # == sent_tokens of the next init
     num_image_rows_received: int = 0
     num_transfers: int = 0
-    first_data_at: float = 0.0  # monotonic time the sender announced its first write
+    first_data_at: float = 0.0  # monotonic time the sender's first write began (about)
     aux: AuxInfo | None = None
     fill_ids: np.ndarray | None = None
     positions: np.ndarray | None = None

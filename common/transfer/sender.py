@@ -212,7 +212,8 @@ class EmbeddingSender(TransferEndpoint):
             return
         state.init = None
         state.writing = True
-        if state.sent_tokens == 0:  # announce the size so the receiver prepares meanwhile
+        if state.sent_tokens == 0 and state.aux.total_tokens > init.num_tokens_allocated:
+            # a continuation will follow: announce the size so the receiver prepares meanwhile
             self._status(
                 state,
                 RoomState.TRANSFERRING,
@@ -298,6 +299,7 @@ class EmbeddingSender(TransferEndpoint):
                 chunk_start=chunk.chunk_start,
                 num_tokens=chunk.num_tokens,
                 total_tokens=state.aux.total_tokens,
+                write_s=write_s,
             )
             if done:
                 state.move(RoomState.SUCCESS)

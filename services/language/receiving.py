@@ -27,7 +27,9 @@ class EmbeddingSource(Protocol):
         """The engine is done with delivered ``room``'s inputs (called once per delivery)."""
         ...
 
-    def num_free_blocks(self) -> int: ...
+    def block_stats(self) -> dict[str, int]:
+        """``num_free_blocks``, ``num_used_blocks``, ``num_lent_blocks``, ``num_rooms_lent``."""
+        ...
 
 
 class ReceiverSource:
@@ -59,8 +61,10 @@ class ReceiverSource:
     def release(self, room: int) -> None:
         self.receiver.release(room)
 
-    def num_free_blocks(self) -> int:
-        return int(self.receiver.stats().get("num_free_blocks", -1))
+    def block_stats(self) -> dict[str, int]:
+        stats = self.receiver.stats()
+        keys = ("num_free_blocks", "num_used_blocks", "num_lent_blocks", "num_rooms_lent")
+        return {key: int(stats[key]) for key in keys}
 
     def close(self) -> None:
         self.receiver.close()

@@ -110,7 +110,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
 
     def GetLoad(self, request, context):
         load = self.engine_thread.load()
-        free_blocks = self.source.num_free_blocks() if self.source is not None else -1
+        blocks = (
+            self.source.block_stats()
+            if self.source is not None
+            else {"num_free_blocks": -1, "num_used_blocks": -1}
+        )
         return language_pb2.LanguageLoad(
             num_running=load.num_running,
             num_waiting=load.num_waiting,
@@ -119,5 +123,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
             num_kv_slots_total=load.num_kv_slots_total,
             num_radix_hit_tokens=load.num_radix_hit_tokens,
             num_radix_tokens=load.num_radix_tokens,
-            num_free_transfer_blocks=free_blocks,
+            num_free_transfer_blocks=blocks["num_free_blocks"],
+            num_used_transfer_blocks=blocks["num_used_blocks"],
+            num_lent_transfer_blocks=blocks.get("num_lent_blocks", 0),
+            num_rooms_lent=blocks.get("num_rooms_lent", 0),
         )

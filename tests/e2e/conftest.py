@@ -76,9 +76,11 @@ class Stack(LocalStack):
             load = self.language_load(i)
             busy = load.num_running + load.num_waiting + load.num_receiving
             slots_leaked = load.num_kv_slots_used - load.num_radix_tokens
-            if busy or slots_leaked:
+            blocks_held = max(0, load.num_used_transfer_blocks)  # lent ones included
+            if busy or slots_leaked or blocks_held:
                 found.append(
-                    f"{proc.name}: {busy} requests, {slots_leaked} slots outside the radix cache"
+                    f"{proc.name}: {busy} requests, {slots_leaked} slots outside the radix cache, "
+                    f"{blocks_held} transfer blocks"
                 )
         return found
 

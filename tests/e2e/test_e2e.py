@@ -28,6 +28,9 @@ def test_disaggregated_greedy_equals_monolithic(arch, tiny_model_dir, stack_fact
         assert first.encoder and first.language
         assert first.usage.prompt_tokens == ref.build_inputs(prompt, [image]).input_ids.shape[1]
         assert first.timing.num_transfers == 1 and first.timing.encode_s > 0
+        assert first.timing.transfer_s > 0
+        lent = [stack.language_load(i).num_rooms_lent for i in range(len(stack.languages))]
+        assert sum(lent) == 1  # the language engine used the rows in place, no copy
         assert first.timing.total_s >= first.timing.first_token_s > 0
 
         # the same request again: the language worker's radix cache and the encoder's cache hit

@@ -33,6 +33,7 @@ def test_whole_room_is_lent_until_released(sender, make_receiver) -> None:
     s = spec(new_room(), 900, 600)
     got = _receive(sender, receiver, [s])[s.seed]
     assert got.lent and _rows_in_buffer(receiver, got)
+    assert got.transfer_s > 0  # from the status's write time: no announcement for one chunk
     stats = receiver.stats()
     assert (stats["num_lent_rooms"], stats["num_lent_blocks"]) == (1, 8)
     assert stats["num_used_blocks"] == 8  # the blocks of 900 tokens; the rest went back
