@@ -94,6 +94,24 @@ class BlockAllocator:
             self._release(allocation.block_ids[num:])
             return kept
 
+    def extend(self, allocation: Allocation, num_tokens: int) -> Allocation | None:
+        """``allocation``'s blocks followed by new ones, for ``num_tokens`` tokens in all; None
+        (and ``allocation`` untouched) when not enough are free. The returned allocation
+        replaces ``allocation``, which is no longer live."""
+        if num_tokens < allocation.num_tokens:
+            raise AllocatorError(f"cannot extend {allocation} to fewer tokens ({num_tokens})")
+        with self._lock:
+            self._check_live(allocation)
+            num_new = self.blocks_for(num_tokens) - len(allocation.block_ids)
+            if num_new > len(self._free):
+                return None
+            new_ids = tuple(heapq.heappop(self._free) for _ in range(max(0, num_new)))
+            grown = Allocation(allocation.block_ids + new_ids, num_tokens)
+            for block_id in grown.block_ids:
+                self._owner[block_id] = grown
+            self._peak_used = max(self._peak_used, self.num_blocks - len(self._free))
+            return grown
+
     def _check_live(self, allocation: Allocation) -> None:
         for block_id in allocation.block_ids:
             if self._owner.get(block_id) != allocation:

@@ -63,16 +63,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _geometry(p: BenchParams, row_bytes: int) -> tuple[int, int]:
     """(sender blocks, receiver blocks): room data plus room for the raw baseline's bytes.
 
-    The receiver is sized like a serving one: every room can keep its default allocation lent
-    to the consumer (half the buffer at most, see ``max_lent_fraction``) with a default
+    The receiver is sized like a serving one: every room can stay in its blocks until the
+    consumer releases it (half the buffer at most, see ``max_lent_fraction``) with a default
     allocation to spare.
     """
     bs = 128
     bytes_estimate = p.rooms * (p.tokens * (row_bytes + 16) + AUX_RECORD_BYTES)
     raw_blocks = -(-bytes_estimate // (bs * row_bytes)) + 1
     default_blocks = p.default_tokens // bs
+    room_blocks = max(-(-p.tokens // bs), default_blocks)
     sender = max(p.rooms * -(-p.tokens // bs), raw_blocks)
-    receiver = max(2 * p.rooms * default_blocks + default_blocks, raw_blocks)
+    receiver = max(2 * p.rooms * room_blocks + default_blocks, raw_blocks)
     return sender, receiver
 
 

@@ -2,8 +2,10 @@
 
 A chunk covers tokens ``[s, s + n)`` with ``n = min(remaining, receiver capacity)``. Its image
 rows are those whose token index falls in the chunk: rows ``row_prefix[s] .. row_prefix[s+n]``
-of the sender's packed rows. At the destination, token fields go to token slots ``0..n-1`` and
-rows to row slots ``0..k-1`` of the receiver's blocks; the aux record to its first block.
+of the sender's packed rows. At the destination, token fields go to token slots
+``t..t+n-1`` and rows to row slots ``r..r+k-1`` of the receiver's blocks (``t``, ``r``: the
+init's ``dest_token_offset`` and ``dest_row_offset``, 0 unless a continuation extends the blocks
+that hold the earlier chunks); the aux record to its first block.
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ def check_init(init: transfer_pb2.TransferInit, layout: BufferLayout) -> str:
     ids = list(init.block_ids)
     if not ids or len(set(ids)) != len(ids) or max(ids) >= init.num_blocks:
         return f"bad_init: invalid destination block ids {ids[:8]}..."
-    if init.block_size <= 0 or init.num_tokens_allocated > len(ids) * init.block_size:
+    capacity = len(ids) * init.block_size
+    if init.block_size <= 0 or init.dest_token_offset + init.num_tokens_allocated > capacity:
         return "bad_init: tokens allocated exceed the destination blocks"
+    if init.dest_row_offset > init.dest_token_offset:
+        return "bad_init: destination row offset beyond the token offset"
     slots = init.num_blocks * init.block_size
     if init.rows.nbytes < slots * init.row_bytes or init.fill_ids.nbytes < slots * 4:
         return "bad_init: destination regions smaller than advertised"
@@ -71,21 +76,22 @@ def build_segments(
     dst_addrs: list[int] = []
     lengths: list[int] = []
 
-    def add(name: str, dst_base: int, src_offset: int, count: int) -> None:
+    def add(name: str, dst_base: int, src_offset: int, dst_offset: int, count: int) -> None:
         if count == 0:
             return
         width = buffers.slot_bytes[name]
         src_base = buffers.base(name)
         src_runs = buffers.runs(src_blocks, src_offset, count)
-        dst_runs = slot_runs(dst_blocks, init.block_size, 0, count)
+        dst_runs = slot_runs(dst_blocks, init.block_size, dst_offset, count)
         for s, d, n in pair_runs(src_runs, dst_runs):
             src_addrs.append(src_base + s * width)
             dst_addrs.append(dst_base + d * width)
             lengths.append(n * width)
 
-    add("rows", init.rows.base, chunk.first_image_row, chunk.num_image_rows)
-    add("fill_ids", init.fill_ids.base, chunk.chunk_start, chunk.num_tokens)
-    add("positions", init.positions.base, chunk.chunk_start, chunk.num_tokens)
+    rows_at, tokens_at = init.dest_row_offset, init.dest_token_offset
+    add("rows", init.rows.base, chunk.first_image_row, rows_at, chunk.num_image_rows)
+    add("fill_ids", init.fill_ids.base, chunk.chunk_start, tokens_at, chunk.num_tokens)
+    add("positions", init.positions.base, chunk.chunk_start, tokens_at, chunk.num_tokens)
     src_addrs.append(buffers.base("aux") + src_blocks[0] * buffers.slot_bytes["aux"])
     dst_addrs.append(init.aux.base + dst_blocks[0] * init.aux_record_bytes)
     lengths.append(aux_len)

@@ -4,15 +4,17 @@ Room flow (receiver view)::
 
     add_room -> BOOTSTRAPPING (queued until default_tokens of blocks are free)
              -> WAITING_FOR_INPUT (init sent with sent_tokens = 0)
-             -> TRANSFERRING (a chunk landed, more remains: copy it out, free the blocks,
-                              alloc_up_to(rest), continuation init with sent_tokens = received)
+             -> TRANSFERRING (a chunk landed, more remains: either extend the room's blocks to
+                              the whole request and ask for the rest behind what arrived, or
+                              copy it out, free the blocks and alloc_up_to(rest); continuation
+                              init with sent_tokens = received)
              -> SUCCESS (the whole request is assembled)   | FAILED from anywhere
 
-Zero-copy delivery: a room that arrives whole in its first chunk, rows in one run of slots,
-is delivered as a view of its blocks (``ReceivedEmbeddings.lent``); the blocks stay lent until
-the consumer calls ``release(room)``. Lent blocks stay within ``config.max_lent_fraction`` of
-the buffer and never take the space a new room's default allocation needs; other rooms are
-copied out and their blocks freed at once.
+Zero-copy delivery: a room whose chunks all landed in its blocks, rows in one run of slots, is
+delivered as a view of them (``ReceivedEmbeddings.lent``); the blocks stay lent until the
+consumer calls ``release(room)``. Lent blocks stay within ``config.max_lent_fraction`` of the
+buffer and never take the space a new room's default allocation needs; a room that would not
+fit that share (or whose sender predates ``dest_*_offset``) is copied out chunk by chunk.
 
 Buffer priority: waiting continuations are served before any new room. Blocks into which a
 write may still land (an init is out) are never freed on failure or abort: they go to
@@ -30,15 +32,15 @@ from collections.abc import Callable
 
 from protos.epd.v1 import transfer_pb2
 
-from . import aux_record
+from . import aux_record, messages
 from .allocator import Allocation
-from .aux_record import AUX_RECORD_BYTES, ChunkInfo
+from .aux_record import AUX_RECORD_BYTES
 from .config import TransferConfig
 from .endpoint import TransferEndpoint
 from .layout import BufferLayout, dtype_name
 from .receiver_room import ReceiverRoom
 from .transport import uses_shm
-from .types import AuxInfo, ReceivedEmbeddings, RoomState, TransferError
+from .types import ReceivedEmbeddings, RoomState, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +179,13 @@ class EmbeddingReceiver(TransferEndpoint):
         msg = self._envelope()
         msg.init.CopyFrom(self._init_template)
         msg.init.room = state.room
-        msg.init.block_ids.extend(allocation.block_ids)
-        msg.init.num_tokens_allocated = allocation.num_tokens
-        msg.init.sent_tokens = state.received
         state.allocation = allocation
+        token_offset, row_offset = state.dest_offsets
+        msg.init.block_ids.extend(allocation.block_ids)
+        msg.init.num_tokens_allocated = allocation.num_tokens - token_offset
+        msg.init.sent_tokens = state.received
+        msg.init.dest_token_offset = token_offset
+        msg.init.dest_row_offset = row_offset
         state.awaiting_write = state.init_sent = True
         if state.state == RoomState.BOOTSTRAPPING:
             state.move(RoomState.WAITING_FOR_INPUT)
@@ -213,14 +218,12 @@ class EmbeddingReceiver(TransferEndpoint):
             self._new_queue.popleft()
             self._send_init(state, allocation)
 
-    def _may_lend(self, aux: AuxInfo, chunk: ChunkInfo) -> bool:
-        """Whether a chunk holding the whole request may keep its blocks as the delivered rows:
-        lent blocks stay within ``max_lent_fraction`` of the buffer and always leave room for
-        one new room's default allocation, so lending never stalls new rooms for long."""
-        if chunk.chunk_start or chunk.num_tokens != aux.total_tokens or not chunk.num_image_rows:
-            return False
+    def _may_lend(self, total_tokens: int) -> bool:
+        """Whether a room of ``total_tokens`` may keep its blocks as its delivered rows: lent
+        blocks stay within ``max_lent_fraction`` of the buffer and always leave room for one
+        new room's default allocation, so lending never stalls new rooms for long."""
         num_blocks = self.layout.num_blocks
-        num_lent = self._num_lent_blocks + self.allocator.blocks_for(chunk.num_tokens)
+        num_lent = self._num_lent_blocks + self.allocator.blocks_for(total_tokens)
         return (
             num_lent <= self.config.max_lent_fraction * num_blocks
             and num_blocks - num_lent >= self.config.default_blocks
@@ -268,6 +271,9 @@ class EmbeddingReceiver(TransferEndpoint):
     def _on_message(self, env: transfer_pb2.TransferEnvelope) -> None:
         kind = env.WhichOneof("body")
         if kind == "status":
+            state = self._rooms.get(env.status.room)
+            if state is not None:
+                state.sender_minor = env.minor_version
             self._on_status(env.status)
         elif kind != "heartbeat":
             self.counters["unexpected_message"] += 1
@@ -292,10 +298,10 @@ class EmbeddingReceiver(TransferEndpoint):
             # the announcement (rooms that continue), or the first chunk minus its write time
             state.first_data_at = time.monotonic() - max(0.0, status.write_s)
         if rstate == RoomState.TRANSFERRING and status.num_tokens == 0:
-            allocated = state.allocation.num_tokens if state.allocation else 0
-            continues = status.total_tokens > allocated  # else the chunk may be lent, no copy
-            if state.aux is None and continues and status.num_image_rows <= status.total_tokens:
-                # assemble the request's memory while the first chunk is on the wire
+            # a room that continues: unless it can stay in its blocks, assemble the request's
+            # memory while the first chunk is on the wire
+            valid = 0 <= status.num_image_rows <= status.total_tokens
+            if state.aux is None and valid and not self._can_hold(state, status.total_tokens):
                 state.prepare(status.total_tokens, status.num_image_rows, self.layout)
             return
         if rstate not in (RoomState.TRANSFERRING, RoomState.SUCCESS) or not state.awaiting_write:
@@ -312,7 +318,8 @@ class EmbeddingReceiver(TransferEndpoint):
             record = self.buffers.aux_bytes(state.allocation.block_ids[0])
             room, aux, chunk = aux_record.unpack(record)
             problem = state.check_chunk(room, aux, chunk, status.num_tokens)
-            if not problem and chunk.num_tokens > state.allocation.num_tokens:
+            allocated = state.allocation.num_tokens - state.dest_offsets[0]
+            if not problem and chunk.num_tokens > allocated:
                 problem = "aux_mismatch: chunk larger than the allocation"
             if not problem and aux.total_tokens != status.total_tokens:
                 problem = "aux_mismatch: total_tokens differs from the status"
@@ -321,31 +328,61 @@ class EmbeddingReceiver(TransferEndpoint):
         if problem:
             self._fail(state, problem)
             return
-        lent = state.absorb(self.buffers, aux, chunk, self._may_lend(aux, chunk))
+        state.land(aux, chunk)
         self.num_transfers += 1
         self.bytes_received += chunk.num_tokens * 16 + chunk.num_image_rows * self.layout.row_bytes
         done = state.received == aux.total_tokens
         if done != (rstate == RoomState.SUCCESS):
             self._fail(state, f"aux_mismatch: status {rstate.name} at {state.received} tokens")
             return
-        if lent:  # keep only the blocks the rows sit in
-            kept = self.allocator.shrink(state.allocation, chunk.num_tokens)
+        if done:
+            self._deliver(state)
+            return
+        grown = self._extend(state)
+        if grown is not None:  # the rest lands behind what arrived: nothing is copied
+            state.move(RoomState.TRANSFERRING)
+            self._send_init(state, grown)
+            return
+        state.copy_out(self.buffers)
+        self._release(state)
+        state.move(RoomState.TRANSFERRING)
+        state.deadline = time.monotonic() + self.config.waiting_timeout_s
+        self._cont_queue.append(state.room)
+        self._schedule()
+
+    def _deliver(self, state: ReceiverRoom) -> None:
+        """The whole room arrived: lend its blocks (keeping only those the rows sit in) or copy
+        it out and free them; then report SUCCESS."""
+        assert state.aux is not None and state.allocation is not None
+        in_place = state.holds_whole_prefix and self._may_lend(state.aux.total_tokens)
+        if in_place and state.lend_in_place(self.buffers):
+            kept = self.allocator.shrink(state.allocation, state.received - state.held_start)
             self._lent[state.room], state.allocation = kept, None
             self._num_lent_blocks += len(kept.block_ids)
             self.num_rooms_lent += 1
             self._schedule()
         else:
+            state.copy_out(self.buffers)
             self._release(state)
-        if done:
-            state.move(RoomState.SUCCESS)
-            if self.on_room_done is not None:
-                self.on_room_done(state.num_transfers)
-            self._end(state, state.result())
-            return
-        state.move(RoomState.TRANSFERRING)
-        state.deadline = time.monotonic() + self.config.waiting_timeout_s
-        self._cont_queue.append(state.room)
-        self._schedule()
+        state.move(RoomState.SUCCESS)
+        if self.on_room_done is not None:
+            self.on_room_done(state.num_transfers)
+        self._end(state, state.result())
+
+    def _extend(self, state: ReceiverRoom) -> Allocation | None:
+        """Grow the room's blocks to hold the whole request, if it may be lent when done and
+        the sender can write behind what arrived; None to fall back to copy-and-continue."""
+        assert state.aux is not None and state.allocation is not None
+        if not self._can_hold(state, state.aux.total_tokens):
+            return None
+        return self.allocator.extend(state.allocation, state.aux.total_tokens)
+
+    def _can_hold(self, state: ReceiverRoom, total_tokens: int) -> bool:
+        return (
+            state.holds_whole_prefix
+            and state.sender_minor >= messages.MINOR_DEST_OFFSETS
+            and self._may_lend(total_tokens)
+        )
 
     def _on_tick(self, now: float) -> None:
         for room, entries in list(self._quarantine.items()):

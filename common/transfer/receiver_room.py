@@ -26,13 +26,18 @@ class ReceiverRoom:
     init_sent: bool = False  # the sender knows this room (abort it when we give up)
     received: int = 0  # == sent_tokens of the next init
     num_image_rows_received: int = 0
+    # `allocation` holds tokens [held_start, received) at token slots 0.. and image rows
+    # [held_row_start, num_image_rows_received) at row slots 0..; earlier ones were copied out
+    held_start: int = 0
+    held_row_start: int = 0
+    sender_minor: int = 0  # the sender's protocol minor version, from its statuses
     num_transfers: int = 0
     first_data_at: float = 0.0  # monotonic time the sender's first write began (about)
     aux: AuxInfo | None = None
     fill_ids: np.ndarray | None = None
     positions: np.ndarray | None = None
     image_rows: torch.Tensor | None = None
-    lent: bool = False  # image_rows is a view of `allocation`'s blocks (whole request, one run)
+    lent: bool = False  # image_rows is a view of receive blocks (whole request, one run)
 
     def move(self, state: RoomState) -> None:
         self.state = advance(self.state, state)
@@ -63,52 +68,67 @@ class ReceiverRoom:
         return ""
 
     def prepare(self, total_tokens: int, num_image_rows: int, layout: BufferLayout) -> None:
-        """Allocate (and fault in) the assembled request's memory ahead of the first chunk.
+        """Allocate (and fault in) the assembled request's memory for ``copy_out``.
 
         NOTE: first-touching fresh memory costs about as much as the copy itself; the sender
-        announces the size as its first write starts so this overlaps with the transfer.
+        announces the size as its first write starts so this can overlap with the transfer.
         """
         self.fill_ids = np.zeros(total_tokens, dtype=np.int32)
         self.positions = np.zeros((3, total_tokens), dtype=np.int32)
         self.image_rows = torch.zeros((num_image_rows, layout.row_width), dtype=layout.dtype)
 
-    def absorb(self, buffers: DataBuffers, aux: AuxInfo, chunk: ChunkInfo, lend: bool) -> bool:
-        """Take a landed chunk out of our blocks; True when its rows stay there (lent).
+    @property
+    def dest_offsets(self) -> tuple[int, int]:
+        """(token slot, row slot) in ``allocation`` where the next chunk lands."""
+        return self.received - self.held_start, self.num_image_rows_received - self.held_row_start
 
-        With ``lend`` (the caller's word that this chunk is the whole request and that the
-        blocks may stay with the result) and the rows in one run of slots, ``image_rows`` is a
-        view of the blocks instead of a copy: the caller must keep them allocated until the
-        consumer releases the room. Token fields are always copied (a few bytes per token).
-        """
-        assert self.allocation is not None
-        ids = self.allocation.block_ids
-        first, k = chunk.first_image_row, chunk.num_image_rows
-        start, end = chunk.chunk_start, chunk.chunk_start + chunk.num_tokens
-        fill, pos = buffers.read_tokens(ids, chunk.num_tokens)
-        view = buffers.row_view(ids, k) if lend and k else None
-        if view is not None:
+    @property
+    def holds_whole_prefix(self) -> bool:
+        """Everything received so far sits in ``allocation`` (nothing was copied out)."""
+        return self.held_start == 0
+
+    def land(self, aux: AuxInfo, chunk: ChunkInfo) -> None:
+        """Book a chunk that landed in ``allocation`` at ``dest_offsets`` (nothing is copied)."""
+        if self.aux is None:
             self.aux = aux
-            self.fill_ids = fill.numpy()
-            self.positions = np.ascontiguousarray(pos.numpy().T)
-            self.image_rows = view
-        else:
-            if self.aux is None:
-                self.aux = aux
-                prepared = self.image_rows is not None and self.fill_ids is not None
-                if not prepared or (len(self.fill_ids), len(self.image_rows)) != (
-                    aux.total_tokens,
-                    aux.num_image_rows,
-                ):
-                    self.prepare(aux.total_tokens, aux.num_image_rows, buffers.layout)
-            self.fill_ids[start:end] = fill.numpy()
-            self.positions[:, start:end] = pos.numpy().T
-            if k:
-                buffers.read_rows(ids, k, self.image_rows[first : first + k])
-        self.received = end
-        self.num_image_rows_received = first + k
+        self.received = chunk.chunk_start + chunk.num_tokens
+        self.num_image_rows_received = chunk.first_image_row + chunk.num_image_rows
         self.num_transfers += 1
-        self.lent = view is not None
-        return self.lent
+
+    def copy_out(self, buffers: DataBuffers) -> None:
+        """Copy what ``allocation`` holds into the assembled request; the caller frees it."""
+        assert self.allocation is not None and self.aux is not None
+        total, num_rows = self.aux.total_tokens, self.aux.num_image_rows
+        if self.fill_ids is None or (len(self.fill_ids), len(self.image_rows)) != (total, num_rows):
+            self.prepare(total, num_rows, buffers.layout)
+        ids = self.allocation.block_ids
+        start, first = self.held_start, self.held_row_start
+        fill, pos = buffers.read_tokens(ids, self.received - start)
+        self.fill_ids[start : self.received] = fill.numpy()
+        self.positions[:, start : self.received] = pos.numpy().T
+        if self.num_image_rows_received > first:
+            rows = self.image_rows[first : self.num_image_rows_received]
+            buffers.read_rows(ids, len(rows), rows)
+        self.held_start, self.held_row_start = self.received, self.num_image_rows_received
+
+    def lend_in_place(self, buffers: DataBuffers) -> bool:
+        """Deliver a whole room that sits in ``allocation`` with ``image_rows`` as a view of its
+        blocks; False (nothing changed) when its rows are not one run of slots.
+
+        The caller keeps the blocks allocated until the consumer releases the room. Token
+        fields are copied (a few bytes per token).
+        """
+        assert self.allocation is not None and self.aux is not None and self.holds_whole_prefix
+        ids, num_rows = self.allocation.block_ids, self.num_image_rows_received
+        view = buffers.row_view(ids, num_rows) if num_rows else None
+        if view is None:
+            return False
+        fill, pos = buffers.read_tokens(ids, self.received)
+        self.fill_ids = fill.numpy()
+        self.positions = np.ascontiguousarray(pos.numpy().T)
+        self.image_rows = view
+        self.lent = True
+        return True
 
     def result(self) -> ReceivedEmbeddings:
         assert self.aux is not None

@@ -44,15 +44,37 @@ def test_whole_room_is_lent_until_released(sender, make_receiver) -> None:
     assert_no_leaks(sender, receiver)
 
 
-def test_continuations_and_text_only_rooms_are_copied(sender, make_receiver) -> None:
+def test_continuation_lands_behind_the_first_chunk(sender, make_receiver) -> None:
+    # 1500 tokens, 1000 of them one image somewhere inside: the first chunk (1024) carries text
+    # tokens too, so the continuation's rows start at a row slot below its token slot.
     receiver = make_receiver(num_blocks=32, default_tokens=1024)
-    long, text = spec(new_room(), 1500, 1000), spec(new_room(), 300, 0)
-    results = _receive(sender, receiver, [long, text])
-    assert results[long.seed].num_transfers == 2
-    assert not results[long.seed].lent and not _rows_in_buffer(receiver, results[long.seed])
-    assert not results[text.seed].lent
+    s = spec(new_room(), 1500, 1000)
+    got = _receive(sender, receiver, [s])[s.seed]
+    assert got.num_transfers == 2
+    assert got.lent and _rows_in_buffer(receiver, got)
+    assert receiver.stats()["num_lent_blocks"] == 12  # ceil(1500 / 128): extended, not copied
+    receiver.release(s.seed)
+    assert_no_leaks(sender, receiver)
+
+
+def test_scattered_blocks_and_large_rooms_are_copied(sender, make_receiver) -> None:
+    receiver = make_receiver(num_blocks=32, default_tokens=1024, max_lent_fraction=0.75)
+    first, second = spec(new_room(), 700, 700), spec(new_room(), 700, 700)
+    _receive(sender, receiver, [first])  # lent: blocks 0..5
+    _receive(sender, receiver, [second])  # lent: blocks 6..11
+    receiver.release(first.seed)  # free: 0..5, 12..31
+    scattered = spec(new_room(), 1500, 1400)  # blocks 0..5, 12, 13, then 14..17
+    got = _receive(sender, receiver, [scattered])[scattered.seed]
+    assert got.num_transfers == 2 and not got.lent  # rows in two runs: copied once at the end
+    text_only = spec(new_room(), 300, 0)
+    assert not _receive(sender, receiver, [text_only])[text_only.seed].lent
+    receiver.release(second.seed)
+    large = spec(new_room(), 3100, 3000)  # 25 blocks: more than the lent share (24)
+    got = _receive(sender, receiver, [large])[large.seed]
+    assert got.num_transfers >= 2 and not got.lent
+    assert not _rows_in_buffer(receiver, got)
     assert receiver.stats()["num_used_blocks"] == 0  # copied rooms free their blocks at once
-    for s in (long, text):
+    for s in (scattered, text_only, large):
         receiver.release(s.seed)  # a no-op for copied rooms
     assert_no_leaks(sender, receiver)
 
@@ -94,3 +116,20 @@ def test_abort_and_close_free_lent_blocks(sender, make_receiver) -> None:
     receiver.close()  # what is still lent goes with the receiver
     assert receiver.stats()["num_lent_blocks"] == 0
     assert receiver.stats()["num_used_blocks"] == 0
+
+
+def test_room_that_cannot_extend_falls_back_to_copies(sender, make_receiver) -> None:
+    # 32 blocks of which 8 are lent and 12 wait for data that never comes: a 2000-token room
+    # could be lent by its share, but the 12 blocks it would extend by are not free.
+    receiver = make_receiver(num_blocks=32, default_tokens=512, max_lent_fraction=1.0)
+    lent = spec(new_room(), 1000, 1000)
+    assert _receive(sender, receiver, [lent])[lent.seed].lent
+    waiting = [new_room() for _ in range(3)]
+    for room in waiting:
+        receiver.add_room(room, sender.endpoint)  # 4 blocks each, no data submitted
+    s = spec(new_room(), 2000, 1500)
+    got = _receive(sender, receiver, [s])[s.seed]
+    assert got.num_transfers == 2 and not got.lent
+    for room in [lent.seed, s.seed, *waiting]:
+        receiver.abort(room)
+    assert_no_leaks(sender, receiver)

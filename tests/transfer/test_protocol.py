@@ -39,6 +39,7 @@ def test_init_before_data(sender, make_receiver) -> None:
     assert sender.ask("submit", s)
     result = collect(receiver, {s.seed})[s.seed]
     assert result.num_transfers == 2
+    receiver.release(s.seed)
     assert_no_leaks(sender, receiver)
 
 
