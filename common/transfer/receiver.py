@@ -356,7 +356,7 @@ class EmbeddingReceiver(TransferEndpoint):
         assert state.aux is not None and state.allocation is not None
         in_place = state.holds_whole_prefix and self._may_lend(state.aux.total_tokens)
         if in_place and state.lend_in_place(self.buffers):
-            kept = self.allocator.shrink(state.allocation, state.received - state.held_start)
+            kept = self.allocator.shrink(state.allocation, state.received)
             self._lent[state.room], state.allocation = kept, None
             self._num_lent_blocks += len(kept.block_ids)
             self.num_rooms_lent += 1
