@@ -40,7 +40,10 @@ def main() -> int:
     goals = goal_rows()
     print(f"\ngoals (median of {GOAL_REPEATS})")
     for label, record in goals:
-        print(f"  {label}: ratio {record['ratio']:.3f}, protocol {record['protocol_ms']:.2f} ms")
+        print(
+            f"  {label}: ratio {record['ratio']:.3f}, protocol {record['protocol_ms']:.2f} ms, "
+            f"raw {record['raw_ms']:.2f} ms"
+        )
     whole, split = goals[0][1], goals[1][1]
     print(f"  split / whole: {split['protocol_ms'] / whole['protocol_ms']:.3f}")
     clean = all(is_clean(r) for r in records + [g[1] for g in goals])

@@ -3,7 +3,8 @@
 A sender and a receiver process move ``--rooms`` rooms of ``--tokens`` tokens (every token an
 image token: the worst case) through the full protocol; the receiver verifies every byte. The
 raw baseline is one ``transfer_sync_write`` of one contiguous region of the same number of bytes
-between the same two processes (a memcpy into the peer's mapping with ``--transport shm``).
+between the same two processes (a memcpy into the peer's mapping with ``--transport shm``), of
+freshly written source bytes like the protocol's, right after each protocol repetition.
 Times are medians over ``--repeats`` after one warm-up.
 """
 
@@ -105,7 +106,10 @@ def measure(p: BenchParams) -> dict:
 
 
 def _run(p: BenchParams, sender: Peer, receiver: Peer) -> dict:
-    times, transfers, checksum_ok, nbytes = [], 0, True, 0
+    """Each repetition moves the rooms through the protocol, then writes the same number of
+    bytes raw, so both see the machine in the same state; the first repetition warms up."""
+    session, raw_base = _raw_target(p, receiver)
+    times, raw, transfers, checksum_ok, nbytes = [], [], 0, True, 0
     for rep in range(p.repeats + 1):
         specs = [RequestSpec(rep * p.rooms + i + 1, p.tokens, p.tokens) for i in range(p.rooms)]
         before = sender.ask("call", "stats")["bytes_sent"]
@@ -118,15 +122,10 @@ def _run(p: BenchParams, sender: Peer, receiver: Peer) -> dict:
         if isinstance(outcomes[0], tuple):
             transfers = outcomes[0][1]
         nbytes = sender.ask("call", "stats")["bytes_sent"] - before
+        raw_s = sender.ask("raw_write", session, raw_base, nbytes, 1)[0]
         if rep:
             times.append(result["elapsed_s"])
-    target = receiver.ask("raw_target")
-    session = target["session"]
-    if p.transport == "shm":
-        session = "shm:" + ShmTransport.session_for(
-            [(target["shm_name"], target["base"], target["nbytes"])]
-        )
-    raw = sender.ask("raw_write", session, target["base"], nbytes, p.repeats + 1)[1:]
+            raw.append(raw_s)
     leaked_sender = sender.ask("wait_idle", 10.0)["num_used_blocks"]
     leaked_receiver = receiver.ask("wait_idle", 10.0)["num_used_blocks"]
     protocol_ms = statistics.median(times) * 1e3
@@ -143,6 +142,15 @@ def _run(p: BenchParams, sender: Peer, receiver: Peer) -> dict:
         "leaked_blocks_sender": leaked_sender,
         "leaked_blocks_receiver": leaked_receiver,
     }
+
+
+def _raw_target(p: BenchParams, receiver: Peer) -> tuple[str, int]:
+    """(session, address) for the raw write: the start of the receiver's rows region."""
+    target = receiver.ask("raw_target")
+    if p.transport == "shm":
+        region = (target["shm_name"], target["base"], target["nbytes"])
+        return "shm:" + ShmTransport.session_for([region]), target["base"]
+    return target["session"], target["base"]
 
 
 def format_table(records: list[dict]) -> str:
