@@ -10,7 +10,7 @@ aux            one record per *block*      AUX_RECORD_BYTES raw
 =============  ==========================  =====================
 
 Token fields of an allocation sit at token slots 0..n-1; its image rows are packed at row
-slots 0..k-1 of the same blocks (k <= n); its aux record is at its first block.
+slots 0..k-1 of the same blocks (k <= n); its aux record is at the block holding its first token.
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@
 A chunk covers tokens ``[s, s + n)`` with ``n = min(remaining, receiver capacity)``. Its image
 rows are those whose token index falls in the chunk: rows ``row_prefix[s] .. row_prefix[s+n]``
 of the sender's packed rows. At the destination, token fields go to token slots
-``t..t+n-1`` and rows to row slots ``r..r+k-1`` of the receiver's blocks (``t``, ``r``: the
-init's ``dest_token_offset`` and ``dest_row_offset``, 0 unless a continuation extends the blocks
-that hold the earlier chunks); the aux record to its first block.
+``t..t+n-1`` and rows to row slots ``r..r+k-1`` of the receiver's blocks: ``t`` is the init's
+``dest_token_offset`` (0 unless a continuation extends the blocks that hold earlier chunks) and
+``r`` the image rows among those ``t`` tokens. The aux record goes to the aux slot of the block
+that holds the chunk's first token (block ``t // block_size``), so a continuation written before
+the receiver read the previous chunk's record does not overwrite it.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def check_init(init: transfer_pb2.TransferInit, layout: BufferLayout) -> str:
     capacity = len(ids) * init.block_size
     if init.block_size <= 0 or init.dest_token_offset + init.num_tokens_allocated > capacity:
         return "bad_init: tokens allocated exceed the destination blocks"
-    if init.dest_row_offset > init.dest_token_offset:
-        return "bad_init: destination row offset beyond the token offset"
+    if init.dest_token_offset > init.sent_tokens:
+        return "bad_init: more tokens in place than were sent"
     slots = init.num_blocks * init.block_size
     if init.rows.nbytes < slots * init.row_bytes or init.fill_ids.nbytes < slots * 4:
         return "bad_init: destination regions smaller than advertised"
@@ -63,14 +65,21 @@ def check_init(init: transfer_pb2.TransferInit, layout: BufferLayout) -> str:
     return ""
 
 
+def dest_row_offset(row_prefix: np.ndarray, init: transfer_pb2.TransferInit) -> int:
+    """Row slot of the chunk's first image row: the rows of the tokens already in place."""
+    return int(row_prefix[init.sent_tokens] - row_prefix[init.sent_tokens - init.dest_token_offset])
+
+
 def build_segments(
     buffers: DataBuffers,
     src_blocks: tuple[int, ...],
     init: transfer_pb2.TransferInit,
     chunk: ChunkInfo,
+    rows_at: int,
     aux_len: int,
 ) -> Segments:
-    """All segments of one chunk (every field), split where either side stops being contiguous."""
+    """All segments of one chunk (every field), split where either side stops being contiguous;
+    rows land at row slot ``rows_at`` (see ``dest_row_offset``)."""
     dst_blocks = list(init.block_ids)
     src_addrs: list[int] = []
     dst_addrs: list[int] = []
@@ -88,11 +97,12 @@ def build_segments(
             dst_addrs.append(dst_base + d * width)
             lengths.append(n * width)
 
-    rows_at, tokens_at = init.dest_row_offset, init.dest_token_offset
+    tokens_at = init.dest_token_offset
     add("rows", init.rows.base, chunk.first_image_row, rows_at, chunk.num_image_rows)
     add("fill_ids", init.fill_ids.base, chunk.chunk_start, tokens_at, chunk.num_tokens)
     add("positions", init.positions.base, chunk.chunk_start, tokens_at, chunk.num_tokens)
     src_addrs.append(buffers.base("aux") + src_blocks[0] * buffers.slot_bytes["aux"])
-    dst_addrs.append(init.aux.base + dst_blocks[0] * init.aux_record_bytes)
+    aux_block = dst_blocks[init.dest_token_offset // init.block_size]  # holds the first token
+    dst_addrs.append(init.aux.base + aux_block * init.aux_record_bytes)
     lengths.append(aux_len)
     return Segments(src_addrs, dst_addrs, lengths)

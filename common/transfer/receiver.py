@@ -174,18 +174,22 @@ class EmbeddingReceiver(TransferEndpoint):
             )
         return init
 
-    def _send_init(self, state: ReceiverRoom, allocation: Allocation) -> None:
+    def _send_init(
+        self, state: ReceiverRoom, allocation: Allocation, sent_tokens: int | None = None
+    ) -> None:
+        """Ask for the room from ``sent_tokens`` (default: what has landed) into ``allocation``,
+        behind the room's tokens from ``held_start`` that sit (or will sit) at its front."""
         now = time.monotonic()
+        sent = state.received if sent_tokens is None else sent_tokens
+        in_place = sent - state.held_start
         msg = self._envelope()
         msg.init.CopyFrom(self._init_template)
         msg.init.room = state.room
         state.allocation = allocation
-        token_offset, row_offset = state.dest_offsets
         msg.init.block_ids.extend(allocation.block_ids)
-        msg.init.num_tokens_allocated = allocation.num_tokens - token_offset
-        msg.init.sent_tokens = state.received
-        msg.init.dest_token_offset = token_offset
-        msg.init.dest_row_offset = row_offset
+        msg.init.num_tokens_allocated = allocation.num_tokens - in_place
+        msg.init.sent_tokens = sent
+        msg.init.dest_token_offset = in_place
         state.awaiting_write = state.init_sent = True
         if state.state == RoomState.BOOTSTRAPPING:
             state.move(RoomState.WAITING_FOR_INPUT)
@@ -298,11 +302,7 @@ class EmbeddingReceiver(TransferEndpoint):
             # the announcement (rooms that continue), or the first chunk minus its write time
             state.first_data_at = time.monotonic() - max(0.0, status.write_s)
         if rstate == RoomState.TRANSFERRING and status.num_tokens == 0:
-            # a room that continues: unless it can stay in its blocks, assemble the request's
-            # memory while the first chunk is on the wire
-            valid = 0 <= status.num_image_rows <= status.total_tokens
-            if state.aux is None and valid and not self._can_hold(state, status.total_tokens):
-                state.prepare(status.total_tokens, status.num_image_rows, self.layout)
+            self._on_announcement(state, status)
             return
         if rstate not in (RoomState.TRANSFERRING, RoomState.SUCCESS) or not state.awaiting_write:
             self.counters["unexpected_status"] += 1
@@ -315,10 +315,11 @@ class EmbeddingReceiver(TransferEndpoint):
     ) -> None:
         assert state.allocation is not None
         try:
-            record = self.buffers.aux_bytes(state.allocation.block_ids[0])
+            first_block = state.num_tokens_in_place // self.layout.block_size  # see chunks.py
+            record = self.buffers.aux_bytes(state.allocation.block_ids[first_block])
             room, aux, chunk = aux_record.unpack(record)
             problem = state.check_chunk(room, aux, chunk, status.num_tokens)
-            allocated = state.allocation.num_tokens - state.dest_offsets[0]
+            allocated = state.allocation.num_tokens - state.num_tokens_in_place
             if not problem and chunk.num_tokens > allocated:
                 problem = "aux_mismatch: chunk larger than the allocation"
             if not problem and aux.total_tokens != status.total_tokens:
@@ -338,6 +339,18 @@ class EmbeddingReceiver(TransferEndpoint):
         if done:
             self._deliver(state)
             return
+        if state.continuation_at:  # asked for at the announcement: its write may be landing
+            if state.received != state.continuation_at:
+                self._fail(
+                    state,
+                    f"aux_mismatch: chunk ended at {state.received}, expected "
+                    f"{state.continuation_at}",
+                )
+                return
+            state.continuation_at = 0
+            state.awaiting_write = True
+            state.move(RoomState.TRANSFERRING)
+            return
         grown = self._extend(state)
         if grown is not None:  # the rest lands behind what arrived: nothing is copied
             state.move(RoomState.TRANSFERRING)
@@ -349,6 +362,26 @@ class EmbeddingReceiver(TransferEndpoint):
         state.deadline = time.monotonic() + self.config.waiting_timeout_s
         self._cont_queue.append(state.room)
         self._schedule()
+
+    def _on_announcement(self, state: ReceiverRoom, status: transfer_pb2.TransferStatus) -> None:
+        """The sender starts the first chunk of a room that will continue. If the room can
+        stay in its blocks, extend them now and ask for the rest at once, so the sender goes on
+        as soon as the first chunk is written; else assemble the request's memory meanwhile."""
+        total = status.total_tokens
+        if state.aux is not None or not 0 <= status.num_image_rows <= total:
+            return
+        if state.allocation is None or not state.awaiting_write or state.received:
+            return
+        first = state.allocation.num_tokens  # what the first chunk carries: total exceeds it
+        grown = None
+        if total > first and self._can_hold(state, total):
+            grown = self.allocator.extend(state.allocation, total)
+        if grown is None:
+            state.prepare(total, status.num_image_rows, self.layout)
+            return
+        state.continuation_at = first
+        self.counters["continuation_ahead"] += 1
+        self._send_init(state, grown, sent_tokens=first)
 
     def _deliver(self, state: ReceiverRoom) -> None:
         """The whole room arrived: lend its blocks (keeping only those the rows sit in) or copy

@@ -31,6 +31,7 @@ class ReceiverRoom:
     held_start: int = 0
     held_row_start: int = 0
     sender_minor: int = 0  # the sender's protocol minor version, from its statuses
+    continuation_at: int = 0  # a continuation init from this token is out before it landed
     num_transfers: int = 0
     first_data_at: float = 0.0  # monotonic time the sender's first write began (about)
     aux: AuxInfo | None = None
@@ -78,9 +79,9 @@ class ReceiverRoom:
         self.image_rows = torch.zeros((num_image_rows, layout.row_width), dtype=layout.dtype)
 
     @property
-    def dest_offsets(self) -> tuple[int, int]:
-        """(token slot, row slot) in ``allocation`` where the next chunk lands."""
-        return self.received - self.held_start, self.num_image_rows_received - self.held_row_start
+    def num_tokens_in_place(self) -> int:
+        """Tokens of the room that sit in ``allocation`` (the next chunk lands behind them)."""
+        return self.received - self.held_start
 
     @property
     def holds_whole_prefix(self) -> bool:
@@ -88,7 +89,7 @@ class ReceiverRoom:
         return self.held_start == 0
 
     def land(self, aux: AuxInfo, chunk: ChunkInfo) -> None:
-        """Book a chunk that landed in ``allocation`` at ``dest_offsets`` (nothing is copied)."""
+        """Book a chunk that landed in ``allocation`` behind what was there (nothing is copied)."""
         if self.aux is None:
             self.aux = aux
         self.received = chunk.chunk_start + chunk.num_tokens

@@ -288,8 +288,9 @@ class EmbeddingSender(TransferEndpoint):
             if transport is None:
                 raise TransferWriteError("no_transport: no transport in common with the receiver")
             self.buffers.set_aux(state.allocation.block_ids[0], record)
+            rows_at = chunks.dest_row_offset(state.row_prefix, init)
             segments = chunks.build_segments(
-                self.buffers, state.allocation.block_ids, init, chunk, len(record)
+                self.buffers, state.allocation.block_ids, init, chunk, rows_at, len(record)
             )
             start = time.perf_counter()
             transport.write(session, *segments)

@@ -53,6 +53,8 @@ def test_continuation_lands_behind_the_first_chunk(sender, make_receiver) -> Non
     assert got.num_transfers == 2
     assert got.lent and _rows_in_buffer(receiver, got)
     assert receiver.stats()["num_lent_blocks"] == 12  # ceil(1500 / 128): extended, not copied
+    # asked for at the sender's announcement, while the first chunk was still being written
+    assert receiver.stats()["messages"]["continuation_ahead"] == 1
     receiver.release(s.seed)
     assert_no_leaks(sender, receiver)
 

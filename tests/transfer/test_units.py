@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from common.transfer import aux_record, messages
 from common.transfer.addressing import pair_runs, slot_runs
-from common.transfer.chunks import plan_chunk
+from common.transfer.aux_record import AUX_RECORD_BYTES
+from common.transfer.buffers import DataBuffers
+from common.transfer.chunks import build_segments, check_init, dest_row_offset, plan_chunk
 from common.transfer.config import TransferConfig
+from common.transfer.layout import BufferLayout, dtype_name
 from common.transfer.sender_room import image_row_prefix
 from common.transfer.types import AuxInfo, RoomState, advance
 from protos.epd.v1 import transfer_pb2
@@ -110,3 +114,50 @@ def test_decode_accepts_added_fields() -> None:
     unknown = bytes([0xF8, 0x06, 0x2A])  # field 111 (varint) = 42, from a newer peer
     decoded = messages.decode(msg.SerializeToString() + unknown)
     assert decoded.envelope is not None and decoded.envelope.status.room == 7
+
+
+def _init_for(layout, block_ids, sent_tokens, in_place, allocated) -> transfer_pb2.TransferInit:
+    init = transfer_pb2.TransferInit(
+        row_bytes=layout.row_bytes,
+        hidden_size=layout.hidden_size,
+        num_deepstack=layout.num_deepstack,
+        dtype=dtype_name(layout.dtype),
+        block_size=layout.block_size,
+        num_blocks=layout.num_blocks,
+        aux_record_bytes=AUX_RECORD_BYTES,
+        block_ids=block_ids,
+        num_tokens_allocated=allocated,
+        sent_tokens=sent_tokens,
+        dest_token_offset=in_place,
+    )
+    slots = layout.num_blocks * layout.block_size
+    init.rows.nbytes, init.fill_ids.nbytes = slots * layout.row_bytes, slots * 4
+    init.rows.base, init.fill_ids.base, init.positions.base, init.aux.base = 1 << 20, 0, 0, 0
+    return init
+
+
+def test_continuation_lands_behind_the_tokens_in_place() -> None:
+    layout = BufferLayout(8, 4, 2, 0, torch.float32)  # 4-token blocks, 8-byte rows
+    buffers = DataBuffers(layout, shared=False)
+    try:
+        mask = np.array([0, 1, 1, 1, 1, 0, 1, 1, 1, 1], dtype=bool)  # 10 tokens, 8 rows
+        prefix = image_row_prefix(mask)
+        # tokens 0..3 (3 rows) sit in blocks 5 and 6's front; the rest goes behind them
+        init = _init_for(layout, [5, 6, 2], sent_tokens=4, in_place=4, allocated=6)
+        assert check_init(init, layout) == ""
+        assert dest_row_offset(prefix, init) == 3
+        chunk = plan_chunk(prefix, 4, init.num_tokens_allocated)
+        assert (chunk.num_tokens, chunk.first_image_row, chunk.num_image_rows) == (6, 3, 5)
+        segments = build_segments(buffers, (0, 1, 3), init, chunk, 3, 100)
+        row_bytes = layout.row_bytes
+        # rows 3..7 of the sender (slots 3, 4..7 of blocks 0, 1) -> row slots 3..7 of (5, 6)
+        assert segments.dst_addrs[0] == (1 << 20) + (5 * 4 + 3) * row_bytes
+        # the aux record goes to the block holding the chunk's first token: block 6, not 5
+        assert segments.dst_addrs[-1] == 6 * AUX_RECORD_BYTES
+        assert sum(segments.lengths[:-1]) == 5 * row_bytes + 6 * 16
+        too_far = _init_for(layout, [5, 6, 2], sent_tokens=4, in_place=5, allocated=6)
+        assert check_init(too_far, layout).startswith("bad_init")  # more in place than sent
+        too_big = _init_for(layout, [5, 6, 2], sent_tokens=4, in_place=4, allocated=9)
+        assert check_init(too_big, layout).startswith("bad_init")  # past the last block
+    finally:
+        buffers.close()
