@@ -19,7 +19,7 @@ import numpy as np
 from protos.epd.v1 import transfer_pb2
 
 from .addressing import pair_runs, slot_runs
-from .aux_record import AUX_HEADER_BYTES, ChunkInfo
+from .aux_record import AUX_HEADER_BYTES, AUX_RECORD_BYTES, ChunkInfo
 from .buffers import DataBuffers
 from .layout import BufferLayout, dtype_name
 from .types import MAX_EXTRA_BYTES
@@ -38,6 +38,20 @@ def plan_chunk(row_prefix: np.ndarray, sent_tokens: int, capacity: int) -> Chunk
     first_row = int(row_prefix[sent_tokens])
     num_rows = int(row_prefix[sent_tokens + num_tokens]) - first_row
     return ChunkInfo(sent_tokens, num_tokens, first_row, num_rows)
+
+
+def layout_fields(layout: BufferLayout) -> dict:
+    """The ``TransferInit`` fields that describe a receiver's buffers (what ``check_init``
+    holds against the sender's own layout)."""
+    return dict(
+        row_bytes=layout.row_bytes,
+        hidden_size=layout.hidden_size,
+        num_deepstack=layout.num_deepstack,
+        dtype=dtype_name(layout.dtype),
+        block_size=layout.block_size,
+        num_blocks=layout.num_blocks,
+        aux_record_bytes=AUX_RECORD_BYTES,
+    )
 
 
 def check_init(init: transfer_pb2.TransferInit, layout: BufferLayout) -> str:

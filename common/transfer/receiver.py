@@ -32,12 +32,11 @@ from collections.abc import Callable
 
 from protos.epd.v1 import transfer_pb2
 
-from . import aux_record, messages
+from . import aux_record, chunks, messages
 from .allocator import Allocation
-from .aux_record import AUX_RECORD_BYTES
 from .config import TransferConfig
 from .endpoint import TransferEndpoint
-from .layout import BufferLayout, dtype_name
+from .layout import BufferLayout
 from .receiver_room import ReceiverRoom
 from .transport import uses_shm
 from .types import ReceivedEmbeddings, RoomState, TransferError
@@ -152,18 +151,12 @@ class EmbeddingReceiver(TransferEndpoint):
     # ---- buffers and inits ------------------------------------------------------------------
 
     def _make_init_template(self) -> transfer_pb2.TransferInit:
-        layout, regions = self.layout, self.buffers.regions
+        regions = self.buffers.regions
         init = transfer_pb2.TransferInit(
             receiver_endpoint=self.endpoint,
             host_id=self.host_id,
             mooncake_session=self.mooncake.session_id if self.mooncake else "",
-            row_bytes=layout.row_bytes,
-            hidden_size=layout.hidden_size,
-            num_deepstack=layout.num_deepstack,
-            dtype=dtype_name(layout.dtype),
-            block_size=layout.block_size,
-            num_blocks=layout.num_blocks,
-            aux_record_bytes=AUX_RECORD_BYTES,
+            **chunks.layout_fields(self.layout),
         )
         for name in ("rows", "fill_ids", "positions", "aux"):
             region = regions[name]

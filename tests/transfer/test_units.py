@@ -10,9 +10,15 @@ from common.transfer import aux_record, messages
 from common.transfer.addressing import pair_runs, slot_runs
 from common.transfer.aux_record import AUX_RECORD_BYTES
 from common.transfer.buffers import DataBuffers
-from common.transfer.chunks import build_segments, check_init, dest_row_offset, plan_chunk
+from common.transfer.chunks import (
+    build_segments,
+    check_init,
+    dest_row_offset,
+    layout_fields,
+    plan_chunk,
+)
 from common.transfer.config import TransferConfig
-from common.transfer.layout import BufferLayout, dtype_name
+from common.transfer.layout import BufferLayout
 from common.transfer.sender_room import image_row_prefix
 from common.transfer.types import AuxInfo, RoomState, advance
 from protos.epd.v1 import transfer_pb2
@@ -118,13 +124,7 @@ def test_decode_accepts_added_fields() -> None:
 
 def _init_for(layout, block_ids, sent_tokens, in_place, allocated) -> transfer_pb2.TransferInit:
     init = transfer_pb2.TransferInit(
-        row_bytes=layout.row_bytes,
-        hidden_size=layout.hidden_size,
-        num_deepstack=layout.num_deepstack,
-        dtype=dtype_name(layout.dtype),
-        block_size=layout.block_size,
-        num_blocks=layout.num_blocks,
-        aux_record_bytes=AUX_RECORD_BYTES,
+        **layout_fields(layout),
         block_ids=block_ids,
         num_tokens_allocated=allocated,
         sent_tokens=sent_tokens,
