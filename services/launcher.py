@@ -9,6 +9,7 @@ gateway and the answer and timing breakdown printed; then it keeps serving until
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import time
@@ -79,6 +80,10 @@ def run_demo(gateway: str, max_tokens: int) -> None:
     _say(format_timing(final))
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     from common.models.tiny import ensure_tiny_model
 
@@ -91,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     _say(f"logs:  {log_dir}")
     gateway = f"127.0.0.1:{args.gateway_port}"
     stack = None
+    # SIGTERM (a supervisor, `kill`) stops the stack like Ctrl-C does: the services run in
+    # sessions of their own, so without this they would outlive us.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         stack = start_local_stack(
             args.model_path,

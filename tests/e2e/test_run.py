@@ -1,0 +1,77 @@
+"""``epd run``: starts the whole stack, answers the demo request, and takes it all down on
+SIGTERM (nothing it started outlives it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from common.procs import free_port
+
+
+def _services_of(port: int) -> list[int]:
+    """Pids of live processes started for the stack whose gateway is on ``port``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "services.cli serve" in cmdline and (
+            f"--port {port}" in cmdline or f"127.0.0.1:{port}" in cmdline
+        ):
+            found.append(int(entry.name))
+    return found
+
+
+def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> str:
+    """What ``proc`` printed up to the first line with ``marker`` (or the timeout, or its end)."""
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if marker in line:
+                seen.set()
+        seen.set()  # the process closed its output
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen.wait(timeout_s)
+    return "".join(lines)
+
+
+def test_run_answers_the_demo_and_stops_everything_on_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    epd = Path(sys.executable).parent / "epd"
+    command = [str(epd)] if epd.exists() else [sys.executable, "-m", "services.cli"]
+    proc = subprocess.Popen(
+        [*command, "run", "--gateway-port", str(port), "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        out = _read_until(proc, "serving on", 240.0)
+        assert "answer:" in out and "finish:" in out, out[-3000:]
+        assert "serving on" in out, out[-3000:]
+        assert len(_services_of(port)) == 3  # gateway, encoder, language
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 20
+        while _services_of(port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _services_of(port) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _services_of(port):  # never leave a stack behind, even on failure
+            os.kill(pid, signal.SIGKILL)
