@@ -10,9 +10,11 @@ Writes run on a small pool of writer threads, so a slow receiver never blocks ``
 control loop. Writes to one receiver go one at a time, in order (parallel writes to one peer
 only contend for the same link: four at once ran at 0.6x the throughput of one after another);
 different receivers are written in parallel. Our blocks are freed only when no write job owns
-the room. After a chunk the room
-waits ``waiting_timeout_s`` for the continuation init; a write running past
-``transfer_timeout_s`` fails the room (the receiver is told a write may still be in flight).
+the room. A continuation init may arrive while the previous chunk is still being written (the
+receiver asks for the rest as soon as it learns the size); it is served when that write
+returns. Otherwise the room waits ``waiting_timeout_s`` for it after a chunk; a write (queued
+or running) past ``transfer_timeout_s`` fails the room (the receiver is told a write may still
+be in flight).
 """
 
 from __future__ import annotations
