@@ -18,8 +18,8 @@ from .types import RoomState
 logger = logging.getLogger(__name__)
 
 TRANSFER_PROTOCOL_VERSION = 1  # major: bumped only on incompatible changes
-TRANSFER_PROTOCOL_MINOR = 2  # 1: TransferStatus.write_s; 2: TransferInit.dest_*_offset
-MINOR_DEST_OFFSETS = 2  # a sender of at least this minor honours TransferInit.dest_*_offset
+TRANSFER_PROTOCOL_MINOR = 2  # 1: TransferStatus.write_s; 2: TransferInit.dest_token_offset
+MINOR_DEST_OFFSETS = 2  # a sender of at least this minor honours TransferInit.dest_token_offset
 
 
 class Decoded(NamedTuple):

@@ -14,7 +14,7 @@ Zero-copy delivery: a room whose chunks all landed in its blocks, rows in one ru
 delivered as a view of them (``ReceivedEmbeddings.lent``); the blocks stay lent until the
 consumer calls ``release(room)``. Lent blocks stay within ``config.max_lent_fraction`` of the
 buffer and never take the space a new room's default allocation needs; a room that would not
-fit that share (or whose sender predates ``dest_*_offset``) is copied out chunk by chunk.
+fit that share (or whose sender predates ``dest_token_offset``) is copied out chunk by chunk.
 
 Buffer priority: waiting continuations are served before any new room. Blocks into which a
 write may still land (an init is out) are never freed on failure or abort: they go to
@@ -56,7 +56,6 @@ class EmbeddingReceiver(TransferEndpoint):
         self._cont_queue: collections.deque[int] = collections.deque()
         self._quarantine: dict[int, list[tuple[Allocation, float]]] = {}
         self._lent: dict[int, Allocation] = {}  # delivered rooms whose rows are views of these
-        self._num_lent_blocks = 0
         self.num_rooms_lent = 0  # lifetime count of rooms delivered without a copy
         self._failed_by_reason: collections.Counter[str] = collections.Counter()
         self.bytes_received = 0
@@ -109,7 +108,6 @@ class EmbeddingReceiver(TransferEndpoint):
         with self._lock:
             allocation = self._lent.pop(room, None)
             if allocation is not None:
-                self._num_lent_blocks -= len(allocation.block_ids)
                 self._free(allocation)
 
     def abort(self, room: int) -> None:
@@ -129,7 +127,7 @@ class EmbeddingReceiver(TransferEndpoint):
                 "num_quarantined_blocks": sum(
                     len(a.block_ids) for q in self._quarantine.values() for a, _ in q
                 ),
-                "num_lent_blocks": self._num_lent_blocks,
+                "num_lent_blocks": self._num_lent_blocks(),
                 "num_lent_rooms": len(self._lent),
                 "num_rooms_lent": self.num_rooms_lent,
                 "num_waiting_continuations": len(self._cont_queue),
@@ -215,12 +213,15 @@ class EmbeddingReceiver(TransferEndpoint):
             self._new_queue.popleft()
             self._send_init(state, allocation)
 
+    def _num_lent_blocks(self) -> int:
+        return sum(len(a.block_ids) for a in self._lent.values())
+
     def _may_lend(self, total_tokens: int) -> bool:
         """Whether a room of ``total_tokens`` may keep its blocks as its delivered rows: lent
         blocks stay within ``max_lent_fraction`` of the buffer and always leave room for one
         new room's default allocation, so lending never stalls new rooms for long."""
         num_blocks = self.layout.num_blocks
-        num_lent = self._num_lent_blocks + self.allocator.blocks_for(total_tokens)
+        num_lent = self._num_lent_blocks() + self.allocator.blocks_for(total_tokens)
         return (
             num_lent <= self.config.max_lent_fraction * num_blocks
             and num_blocks - num_lent >= self.config.default_blocks
@@ -384,7 +385,6 @@ class EmbeddingReceiver(TransferEndpoint):
         if in_place and state.lend_in_place(self.buffers):
             kept = self.allocator.shrink(state.allocation, state.received)
             self._lent[state.room], state.allocation = kept, None
-            self._num_lent_blocks += len(kept.block_ids)
             self.num_rooms_lent += 1
             self._schedule()
         else:
