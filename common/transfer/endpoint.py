@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -71,7 +72,7 @@ class TransferEndpoint(ABC):
     def _loop(self) -> None:
         next_tick = time.monotonic()
         while not self._closed.is_set():
-            timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+            timeout_ms = max(0, math.ceil((next_tick - time.monotonic()) * 1000))
             try:
                 frames = self.channel.recv(timeout_ms)
             except Exception:  # the context is being torn down
@@ -103,12 +104,17 @@ class TransferEndpoint(ABC):
                 self.counters["dropped_handler_error"] += 1
                 logger.exception("failed to handle a %s message", env.WhichOneof("body"))
 
+    def _send(self, endpoint: str, message: transfer_pb2.TransferEnvelope) -> None:
+        """Send a control message (the caller holds the lock); it doubles as a heartbeat."""
+        self.channel.send(endpoint, message)
+        self.peers.sent(endpoint, time.monotonic())
+
     def _send_heartbeats(self, endpoints: set[str], now: float) -> None:
         self.peers.forget_idle(endpoints)
         for ep in self.peers.due_heartbeats(endpoints, now):
             msg = self._envelope()
             msg.heartbeat.sent_at = time.time()
-            self.channel.send(ep, msg)
+            self._send(ep, msg)
 
     @abstractmethod
     def _on_message(self, env: transfer_pb2.TransferEnvelope) -> None: ...

@@ -1,8 +1,10 @@
 """Liveness of control-plane peers: heartbeat schedule and silence detection.
 
 Not thread-safe on its own; the owning side calls it under its lock. Any message from a peer
-counts as a sign of life; a peer becomes relevant again (fresh grace period) when a room is
-associated with it after it had none.
+counts as a sign of life, and any message to a peer as a heartbeat: one is due only after
+``interval_s`` without sending it anything (so none interrupts a room whose messages flow). A
+peer becomes relevant again (fresh grace period) when a room is associated with it after it had
+none.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ class PeerTracker:
             self._last_seen[endpoint] = now
 
     def watch(self, endpoint: str, now: float) -> None:
-        """Start tracking ``endpoint`` unless it is already tracked."""
+        """Start tracking ``endpoint`` unless it is already tracked (it just spoke to us, or we
+        are about to speak to it: its first heartbeat is due ``interval_s`` from now)."""
         self._last_seen.setdefault(endpoint, now)
+        self._last_sent.setdefault(endpoint, now)
+
+    def sent(self, endpoint: str, now: float) -> None:
+        """A message went to ``endpoint``: no heartbeat is due for ``interval_s``."""
+        self._last_sent[endpoint] = now
 
     def due_heartbeats(self, endpoints: Iterable[str], now: float) -> list[str]:
         due = [ep for ep in endpoints if now - self._last_sent.get(ep, 0.0) >= self.interval_s]

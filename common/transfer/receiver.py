@@ -188,7 +188,7 @@ class EmbeddingReceiver(TransferEndpoint):
         else:
             state.deadline = now + self.config.transfer_timeout_s + self.config.heartbeat_timeout_s
         self.peers.watch(state.sender_endpoint, now)
-        self.channel.send(state.sender_endpoint, msg)
+        self._send(state.sender_endpoint, msg)
 
     def _schedule(self) -> None:
         """Hand free blocks out: continuations first (what is free), then new rooms (default)."""
@@ -260,7 +260,7 @@ class EmbeddingReceiver(TransferEndpoint):
             msg = self._envelope()
             msg.abort.room = state.room
             msg.abort.reason = reason
-            self.channel.send(state.sender_endpoint, msg)
+            self._send(state.sender_endpoint, msg)
         self._release(state)
         self._end(state, TransferError(state.room, reason) if report else None)
 

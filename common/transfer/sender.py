@@ -183,7 +183,7 @@ class EmbeddingSender(TransferEndpoint):
         msg.status.state = int(rstate)
         for key, value in fields.items():
             setattr(msg.status, key, value)
-        self.channel.send(state.receiver_endpoint, msg)
+        self._send(state.receiver_endpoint, msg)
 
     def _finish(self, state: SenderRoom) -> None:
         """Release a final room whose blocks no write owns any more."""
