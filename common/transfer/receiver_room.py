@@ -105,8 +105,8 @@ class ReceiverRoom:
         ids = self.allocation.block_ids
         start, first = self.held_start, self.held_row_start
         fill, pos = buffers.read_tokens(ids, self.received - start)
-        self.fill_ids[start : self.received] = fill.numpy()
-        self.positions[:, start : self.received] = pos.numpy().T
+        self.fill_ids[start : self.received] = fill
+        self.positions[:, start : self.received] = pos
         if self.num_image_rows_received > first:
             rows = self.image_rows[first : self.num_image_rows_received]
             buffers.read_rows(ids, len(rows), rows)
@@ -124,9 +124,7 @@ class ReceiverRoom:
         view = buffers.row_view(ids, num_rows) if num_rows else None
         if view is None:
             return False
-        fill, pos = buffers.read_tokens(ids, self.received)
-        self.fill_ids = fill.numpy()
-        self.positions = np.ascontiguousarray(pos.numpy().T)
+        self.fill_ids, self.positions = buffers.read_tokens(ids, self.received)
         self.image_rows = view
         self.lent = True
         return True

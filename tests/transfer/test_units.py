@@ -19,6 +19,7 @@ from common.transfer.chunks import (
 )
 from common.transfer.config import TransferConfig
 from common.transfer.layout import BufferLayout
+from common.transfer.peers import PeerTracker
 from common.transfer.sender_room import image_row_prefix
 from common.transfer.types import AuxInfo, RoomState, advance
 from protos.epd.v1 import transfer_pb2
@@ -159,5 +160,39 @@ def test_continuation_lands_behind_the_tokens_in_place() -> None:
         assert check_init(too_far, layout).startswith("bad_init")  # more in place than sent
         too_big = _init_for(layout, [5, 6, 2], sent_tokens=4, in_place=4, allocated=9)
         assert check_init(too_big, layout).startswith("bad_init")  # past the last block
+    finally:
+        buffers.close()
+
+
+def test_any_message_sent_counts_as_a_heartbeat() -> None:
+    peers = PeerTracker(interval_s=1.0, timeout_s=5.0)
+    peers.watch("a", now=10.0)  # a new peer: its first heartbeat is due a full interval later
+    assert peers.due_heartbeats({"a"}, now=10.5) == []
+    peers.sent("a", now=10.9)  # an init or status went out: no heartbeat needed until 11.9
+    assert peers.due_heartbeats({"a"}, now=11.5) == []
+    assert peers.due_heartbeats({"a"}, now=12.0) == ["a"]
+    assert peers.due_heartbeats({"a"}, now=12.5) == []  # the heartbeat itself counts
+    assert peers.silent({"a"}, now=15.5) == ["a"]  # nothing heard from it since 10.0
+    peers.touch("a", now=15.6)
+    assert peers.silent({"a"}, now=15.7) == []
+
+
+def test_token_fields_round_trip_through_scattered_blocks() -> None:
+    buffers = DataBuffers(BufferLayout(8, 4, 8, 0, torch.bfloat16), shared=False)
+    try:
+        blocks = (5, 1, 2)  # two runs: slots 20..23 and 4..11
+        fill = np.arange(10, dtype=np.int32) + 100
+        positions = np.arange(30, dtype=np.int64).reshape(3, 10)  # cast to int32 on the way
+        rows = torch.randn(7, 8).to(torch.bfloat16)
+        buffers.write_tokens(blocks, fill, positions, rows)
+        got_fill, got_pos = buffers.read_tokens(blocks, 10)
+        assert np.array_equal(got_fill, fill) and got_pos.dtype == np.int32
+        assert got_pos.shape == (3, 10) and np.array_equal(got_pos, positions)
+        assert np.array_equal(buffers.fill_ids[20:24], fill[:4])  # where the first run landed
+        out = torch.empty(7, 8, dtype=torch.bfloat16)
+        buffers.read_rows(blocks, 7, out)
+        assert torch.equal(out, rows)
+        empty_fill, empty_pos = buffers.read_tokens(blocks, 0)
+        assert empty_fill.shape == (0,) and empty_pos.shape == (3, 0)
     finally:
         buffers.close()
