@@ -1,17 +1,32 @@
 """Mooncake ``TransferEngine`` behind the transport interface (P2P handshake, no metadata server).
 
-Its logging is quieted before the first import: ``GLOG_minloglevel=2`` (as FACTS.md says)
+A write submits every segment as its own transfer and sleeps between status checks until all
+have ended. Mooncake's synchronous calls instead spin on the status for the whole transfer,
+keeping a core busy that its own tcp threads (and, on an encoder, the vision model) need: on two
+cores a 14 MB write finished in about 9 ms polled against 11 ms spinning.
+
+Its logging is quieted before the first import: ``GLOG_minloglevel=2``
 and ``MC_LOG_LEVEL=ERROR``, which is what this build (0.3.13.post1) actually honours.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
 from .regions import Region
 from .transport import BaseTransport
 from .types import TransferWriteError
+
+POLL_S = 50e-6  # sleep between status checks (the kernel rounds it up to ~0.1 ms)
+TIMEOUT_S = 30.0  # plus one second per GB, as Mooncake's own synchronous calls allow
+_DONE, _PENDING = 1, 0  # transfer_check_status; -1 failed, -2 timed out
+
+
+def _submitted(batch_id: int) -> bool:
+    """``transfer_submit_write`` returns 0 or -1 (as an unsigned id) when nothing was submitted."""
+    return 0 < batch_id < 2**63
 
 
 class MooncakeTransport(BaseTransport):
@@ -41,9 +56,33 @@ class MooncakeTransport(BaseTransport):
     def write(
         self, session: str, src_addrs: list[int], dst_addrs: list[int], lengths: list[int]
     ) -> None:
-        rc = self._engine.batch_transfer_sync_write(session, src_addrs, dst_addrs, lengths)
-        if rc != 0:
-            raise TransferWriteError(f"Mooncake batch write to {session} returned {rc}")
+        """Submit every segment, then wait until none is in flight (also when one failed, so
+        the caller may reuse the memory once this returns)."""
+        pending, errors = [], []
+        for src, dst, nbytes in zip(src_addrs, dst_addrs, lengths, strict=True):
+            batch_id = self._engine.transfer_submit_write(session, src, dst, nbytes)
+            if not _submitted(batch_id):
+                errors.append(f"Mooncake could not submit a write to {session}")
+                break
+            pending.append((batch_id, nbytes))
+        deadline = time.monotonic() + TIMEOUT_S + sum(lengths) / 1e9
+        while pending:
+            still = []
+            for batch_id, nbytes in pending:
+                rc = self._engine.transfer_check_status(batch_id)
+                if rc == _PENDING:
+                    still.append((batch_id, nbytes))
+                elif rc != _DONE:
+                    errors.append(f"Mooncake write of {nbytes} bytes to {session}: status {rc}")
+            pending = still
+            if pending and time.monotonic() > deadline:
+                # NOTE: Mooncake keeps these ids; they are lost, like its sync calls' on timeout
+                errors.append(f"write to {session} still in flight after {TIMEOUT_S:.0f} s")
+                break
+            if pending:
+                time.sleep(POLL_S)
+        if errors:
+            raise TransferWriteError("; ".join(errors))
 
     def write_one(self, session: str, src_addr: int, dst_addr: int, nbytes: int) -> None:
         """A plain single-region write (the benchmark's raw baseline)."""
