@@ -41,8 +41,8 @@ def main() -> int:
     print(f"\ngoals (median of {GOAL_REPEATS})")
     for label, record in goals:
         print(
-            f"  {label}: ratio {record['ratio']:.3f}, protocol {record['protocol_ms']:.2f} ms, "
-            f"raw {record['raw_ms']:.2f} ms"
+            f"  {label}: ratio {record['ratio']:.3f}, protocol {record['protocol_ms']:.2f} ms "
+            f"(in its writes {record['write_ms']:.2f} ms), raw {record['raw_ms']:.2f} ms"
         )
     whole, split = goals[0][1], goals[1][1]
     print(f"  split / whole: {split['protocol_ms'] / whole['protocol_ms']:.3f}")
