@@ -77,11 +77,11 @@ class DataBuffers:
         ``positions`` is ``[3, total]``."""
         runs = self.runs(block_ids, 0, len(fill_ids))
         pos = np.asarray(positions).T
-        pos_at = 0
+        token = 0
         for slot, length in runs:
-            self.fill_ids[slot : slot + length] = fill_ids[pos_at : pos_at + length]
-            self.positions[slot : slot + length] = pos[pos_at : pos_at + length]
-            pos_at += length
+            self.fill_ids[slot : slot + length] = fill_ids[token : token + length]
+            self.positions[slot : slot + length] = pos[token : token + length]
+            token += length
         if len(image_rows):
             _scatter(self.rows, self.runs(block_ids, 0, len(image_rows)), image_rows)
 
