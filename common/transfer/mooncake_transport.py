@@ -1,9 +1,12 @@
 """Mooncake ``TransferEngine`` behind the transport interface (P2P handshake, no metadata server).
 
-A write submits every segment as its own transfer and sleeps between status checks until all
-have ended. Mooncake's synchronous calls instead spin on the status for the whole transfer,
-keeping a core busy that its own tcp threads (and, on an encoder, the vision model) need: on two
-cores a 14 MB write finished in about 9 ms polled against 11 ms spinning.
+A write submits every segment as its own transfer and checks their status every ~0.1 ms,
+sleeping in between, until all have ended. Mooncake's synchronous calls instead spin on the
+status for the whole transfer, competing with its own tcp threads for the cores. Measured for
+one 14 MB write on two vCPUs: 9.3 ms polled this way, 11.2 ms through the spinning synchronous
+call, 10.5 ms when sleeping through most of the expected time before polling (likely: an idle vCPU
+wakes the tcp threads more slowly). The cost is up to ~0.1 ms of completion latency, which
+matters only on transports that move the bytes in well under a millisecond.
 
 Its logging is quieted before the first import: ``GLOG_minloglevel=2``
 and ``MC_LOG_LEVEL=ERROR``, which is what this build (0.3.13.post1) actually honours.
