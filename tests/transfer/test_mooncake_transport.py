@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import threading
+import time
+
 import pytest
 import torch
 
@@ -51,3 +55,34 @@ def test_unreachable_peer_is_a_typed_error(engine) -> None:
     transport, src, _ = engine
     with pytest.raises(TransferWriteError, match="127.0.0.1:1"):
         transport.write("127.0.0.1:1", [src.base], [0], [64])
+
+
+def _peer(conn, nbytes: int) -> None:
+    """A receiving engine in its own process: reports (session, address), then waits."""
+    transport = MooncakeTransport("127.0.0.1")
+    region = allocate_region(nbytes, "peer", False)
+    transport.register([region])
+    conn.send((transport.session_id, region.base))
+    conn.recv()
+
+
+def test_peer_killed_mid_write_ends_the_write_with_an_error(engine) -> None:
+    transport, _, _ = engine
+    nbytes = 256 << 20  # long enough on tcp to be killed in the middle
+    source = allocate_region(nbytes, "big", False)
+    transport.register([source])
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    peer = ctx.Process(target=_peer, args=(child, nbytes), daemon=True)
+    peer.start()
+    try:
+        session, base = parent.recv()
+        transport.write(session, [source.base], [base], [1 << 20])  # connected and working
+        threading.Timer(0.01, peer.kill).start()
+        start = time.monotonic()
+        with pytest.raises(TransferWriteError, match=session):
+            transport.write(session, [source.base], [base], [nbytes])
+        assert time.monotonic() - start < 10.0  # noticed, not waited out until the timeout
+    finally:
+        peer.kill()
+        peer.join(10)
