@@ -1,5 +1,11 @@
 """Memory regions backing the transfer buffers: private memory or files in /dev/shm.
 
+Every region is backed by memory at allocation: private pages are touched, a shm file is
+fallocated. The first transfers into a block then do not pay for allocating its pages, and a machine
+short of memory (or a container whose /dev/shm is smaller than the buffers, 64 MiB by
+default under Docker) fails at start-up with a clear error instead of later, mid-transfer, with
+a SIGBUS or the OOM killer.
+
 A shm region is a file ``/dev/shm/<name>`` mapped into this process; a same-host peer maps the
 same file to write into it. ``close`` unlinks the file (the mapping itself goes away with the
 last tensor view), so a clean shutdown leaves nothing behind in /dev/shm. A killed process
@@ -9,6 +15,7 @@ files whose owner pid, which is part of the name, no longer exists.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import uuid
@@ -70,16 +77,16 @@ def sweep_stale_regions() -> list[str]:
 
 
 def allocate_region(nbytes: int, tag: str, shared: bool) -> Region:
-    """Private memory (``torch.empty``) or a fresh /dev/shm file of ``nbytes`` bytes."""
+    """Private memory or a fresh /dev/shm file of ``nbytes`` bytes, backed (see above)."""
     if nbytes <= 0:
         raise ValueError(f"region {tag} must have a positive size")
     if not shared:
-        data = torch.empty(nbytes, dtype=torch.uint8)
+        data = torch.empty(nbytes, dtype=torch.uint8).zero_()
         return Region(data, data.data_ptr(), nbytes)
     name = shm_name(tag)
     fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
+        _reserve_shm(fd, nbytes, tag)
         mapped = mmap.mmap(fd, nbytes)
     except BaseException:
         os.close(fd)
@@ -88,6 +95,28 @@ def allocate_region(nbytes: int, tag: str, shared: bool) -> Region:
     os.close(fd)
     data = torch.frombuffer(mapped, dtype=torch.uint8)
     return Region(data, data.data_ptr(), nbytes, name, mapped)
+
+
+def _reserve_shm(fd: int, nbytes: int, tag: str) -> None:
+    """Size the shm file and allocate its pages; ENOSPC with the sizes when it cannot fit."""
+    stats = os.statvfs(SHM_DIR)
+    free = stats.f_bavail * stats.f_frsize
+    problem = OSError(
+        errno.ENOSPC,
+        f"{SHM_DIR} cannot hold the {tag} transfer region ({nbytes / 2**20:.0f} MiB, "
+        f"{free / 2**20:.0f} MiB free): enlarge {SHM_DIR} (docker --shm-size, a memory-backed "
+        "emptyDir) or set EPD_TRANSFER_TRANSPORT=mooncake",
+    )
+    if nbytes > free:
+        raise problem
+    os.ftruncate(fd, nbytes)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise problem from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
 
 
 def map_peer_region(name: str, nbytes: int) -> tuple[mmap.mmap, int]:

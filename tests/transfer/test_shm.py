@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
 
 from common.transfer.peer import Peer
 from common.transfer.receiver import EmbeddingReceiver
-from common.transfer.regions import SHM_DIR
+from common.transfer.regions import SHM_DIR, SHM_PREFIX, allocate_region
 from common.transfer.types import TransferError
 
 from .conftest import assert_no_leaks, layout_of, make_config, new_room
@@ -75,3 +76,13 @@ def test_sweep_removes_regions_of_dead_processes() -> None:
         for path in (stale, alive):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_shm_region_larger_than_dev_shm_is_a_clear_start_up_error() -> None:
+    stats = os.statvfs(SHM_DIR)
+    too_big = stats.f_bavail * stats.f_frsize + (1 << 30)
+    before = {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+    with pytest.raises(OSError, match="cannot hold the rows transfer region") as info:
+        allocate_region(too_big, "rows", shared=True)
+    assert info.value.errno == errno.ENOSPC and "EPD_TRANSFER_TRANSPORT=mooncake" in str(info.value)
+    assert {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)} == before  # no file left
