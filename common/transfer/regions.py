@@ -1,10 +1,10 @@
 """Memory regions backing the transfer buffers: private memory or files in /dev/shm.
 
 Every region is backed by memory at allocation: private pages are touched, a shm file is
-fallocated. The first transfers into a block then do not pay for allocating its pages, and a machine
-short of memory (or a container whose /dev/shm is smaller than the buffers, 64 MiB by
-default under Docker) fails at start-up with a clear error instead of later, mid-transfer, with
-a SIGBUS or the OOM killer.
+fallocated. The first transfers into a block then do not pay for allocating its pages, and a
+machine short of memory (or a container whose /dev/shm is smaller than the buffers, 64 MiB by
+default under Docker) fails at start-up with a clear error instead of later, mid-transfer,
+with a SIGBUS or the OOM killer.
 
 A shm region is a file ``/dev/shm/<name>`` mapped into this process; a same-host peer maps the
 same file to write into it. ``close`` unlinks the file (the mapping itself goes away with the
