@@ -8,12 +8,18 @@ from common.cli_config import field
 
 ENV_PREFIX = "EPD_TRANSFER_"
 TRANSPORTS = ("mooncake", "shm", "auto")
+WIRE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
 class TransferConfig:
     """Settings of one transfer endpoint; flags ``--block-size`` etc., env ``EPD_TRANSFER_*``."""
 
+    dtype: str = field(
+        "bfloat16",
+        help="wire dtype of image rows (bfloat16 | float16 | float32), the same on every encoder "
+        "and language worker; each side casts from/to its own compute dtype",
+    )
     block_size: int = field(128, help="tokens per buffer block")
     num_blocks: int = field(512, help="blocks in the buffer (token slots = num_blocks*block_size)")
     default_tokens: int = field(
@@ -43,6 +49,8 @@ class TransferConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.dtype not in WIRE_DTYPES:
+            raise ValueError(f"dtype must be one of {WIRE_DTYPES}, got {self.dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks <= 0:

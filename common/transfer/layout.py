@@ -67,13 +67,14 @@ class BufferLayout:
 
 
 def layout_for(
-    config: object, hidden_size: int, num_deepstack: int = 0, dtype: torch.dtype = torch.float32
+    config: object, hidden_size: int, num_deepstack: int = 0, dtype: torch.dtype | None = None
 ) -> BufferLayout:
-    """The layout of a ``TransferConfig``'s buffer for rows of the given model."""
+    """The layout of a ``TransferConfig``'s buffer for rows of the given model, in the config's
+    wire dtype unless ``dtype`` overrides it."""
     return BufferLayout(
         num_blocks=config.num_blocks,  # type: ignore[attr-defined]
         block_size=config.block_size,  # type: ignore[attr-defined]
         hidden_size=hidden_size,
         num_deepstack=num_deepstack,
-        dtype=dtype,
+        dtype=dtype if dtype is not None else parse_dtype(config.dtype),  # type: ignore[attr-defined]
     )

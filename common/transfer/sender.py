@@ -156,10 +156,12 @@ class EmbeddingSender(TransferEndpoint):
                 f"total_tokens {total}"
             )
         expected = (aux.num_image_rows, self.layout.row_width)
-        if tuple(image_rows.shape) != expected or image_rows.dtype != self.layout.dtype:
+        # Rows may come in any float dtype (the encoder's compute dtype): they are cast to the
+        # layout's wire dtype as they are written into the blocks.
+        if tuple(image_rows.shape) != expected or not image_rows.dtype.is_floating_point:
             raise ValueError(
                 f"image_rows {tuple(image_rows.shape)} {image_rows.dtype}, expected {expected} "
-                f"{self.layout.dtype}"
+                "of a float dtype"
             )
         if image_mask is None:
             if aux.num_image_rows != total:

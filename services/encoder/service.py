@@ -49,17 +49,12 @@ def create_sender(config: EncoderConfig, pipeline: EncoderPipeline) -> Sender:
     """The transfer plane's sender for this checkpoint's row layout (or the discarding one)."""
     if config.sender == "none":
         return DiscardingSender()
-    from common.transfer.layout import BufferLayout
+    from common.transfer.layout import layout_for
     from common.transfer.sender import EmbeddingSender
 
     checkpoint = pipeline.checkpoint
-    layout = BufferLayout(
-        num_blocks=config.transfer.num_blocks,
-        block_size=config.transfer.block_size,
-        hidden_size=checkpoint.hidden_size,
-        num_deepstack=checkpoint.num_deepstack,
-        dtype=pipeline.tower.dtype,
-    )
+    # Rows travel in the deployment's wire dtype whatever the tower computes in.
+    layout = layout_for(config.transfer, checkpoint.hidden_size, checkpoint.num_deepstack)
     return EmbeddingSender(config.transfer, layout)
 
 

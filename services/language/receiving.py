@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
 from services.language.inputs import PromptInputs
 from services.language.model.config import TextModelConfig
 
@@ -71,13 +69,11 @@ class ReceiverSource:
 
 
 def create_receiver_source(model_config: TextModelConfig, transfer_config=None) -> ReceiverSource:
-    """A receiver whose rows match the model (fp32 rows; cast to the model dtype on use)."""
+    """A receiver for the model's rows in the wire dtype (cast to the model dtype on use)."""
     from common.transfer.config import TransferConfig
     from common.transfer.layout import layout_for
     from common.transfer.receiver import EmbeddingReceiver
 
     config = transfer_config or TransferConfig()
-    layout = layout_for(
-        config, model_config.hidden_size, model_config.num_deepstack, dtype=torch.float32
-    )
+    layout = layout_for(config, model_config.hidden_size, model_config.num_deepstack)
     return ReceiverSource(EmbeddingReceiver(config, layout), model_config.num_deepstack)
