@@ -62,14 +62,18 @@ class EmbeddingReceiver(TransferEndpoint):
         self.num_transfers = 0
         # Observer of each completed room: its number of transfers. Set by the metrics.
         self.on_room_done: Callable[[int], None] | None = None
+        # Called (lock held: it must not block) whenever a room's outcome becomes available to
+        # pop_done, so a consumer can sleep until there is something to pop.
+        self.on_done: Callable[[], None] | None = None
         super().__init__(config, layout, shared=uses_shm(config.transport))
         self._done_ready = threading.Condition(self._lock)  # no room exists before this
         self._init_template = self._make_init_template()
 
     # ---- public API -------------------------------------------------------------------------
 
-    def add_room(self, room: int, sender_endpoint: str) -> None:
-        """Start pulling ``room`` from the sender at ``sender_endpoint``."""
+    def add_room(self, room: int, sender_endpoint: str, deadline: float | None = None) -> None:
+        """Start pulling ``room`` from the sender at ``sender_endpoint``; ``deadline``
+        (``time.monotonic()`` clock) is the request's own: the room fails once it passes."""
         with self._lock:
             if room in self._rooms or room in self._finished:
                 raise ValueError(f"room {room} already added")
@@ -77,6 +81,8 @@ class EmbeddingReceiver(TransferEndpoint):
             state = ReceiverRoom(
                 room, sender_endpoint, deadline=now + self.config.bootstrap_timeout_s
             )
+            if deadline is not None:
+                state.request_deadline = deadline
             self._rooms[room] = state
             self._new_queue.append(room)
             self._schedule()
@@ -250,6 +256,8 @@ class EmbeddingReceiver(TransferEndpoint):
                 self._finished.popitem(last=False)
             self._done.append((state.room, outcome))
             self._done_ready.notify_all()
+            if self.on_done is not None:
+                self.on_done()
 
     def _fail(self, state: ReceiverRoom, reason: str, report: bool = True) -> None:
         if state.state.is_final:
@@ -421,7 +429,9 @@ class EmbeddingReceiver(TransferEndpoint):
             else:
                 del self._quarantine[room]
         for state in list(self._rooms.values()):
-            if now > state.deadline:
+            if now > state.request_deadline:
+                self._fail(state, f"deadline: request deadline passed in {state.state.name}")
+            elif now > state.deadline:
                 self._fail(state, f"timeout: in {state.state.name}")
         active = {s.sender_endpoint for s in self._rooms.values() if s.init_sent}
         for ep in self.peers.silent(active, now):

@@ -20,7 +20,8 @@ class ReceiverRoom:
     room: int
     sender_endpoint: str
     state: RoomState = RoomState.BOOTSTRAPPING
-    deadline: float = 0.0
+    deadline: float = 0.0  # the current state's timeout (monotonic)
+    request_deadline: float = float("inf")  # the request's own deadline (monotonic)
     allocation: Allocation | None = None
     awaiting_write: bool = False  # an init is out: a write into `allocation` may land
     init_sent: bool = False  # the sender knows this room (abort it when we give up)
