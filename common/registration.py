@@ -1,18 +1,23 @@
-"""A worker's side of the gateway registry: heartbeat until stopped, deregister on the way out.
+"""Clients of the gateway's registry (its internal port).
 
-The gateway drops workers it has not heard from; the heartbeat carries the worker's load and
-info (an encoder's transfer endpoint), so routing sees fresh figures without polling. A gateway
-that is down or restarting is retried every interval; the worker keeps serving meanwhile.
+A worker's side: ``Registrar`` heartbeats until stopped and deregisters on the way out. The
+gateway drops workers it has not heard from; the heartbeat carries the worker's load and info
+(an encoder's transfer endpoint), so routing sees fresh figures without polling. A gateway that
+is down or restarting is retried every interval; the worker keeps serving meanwhile.
+
+An operator's side: ``list_workers`` and ``wait_for_workers`` read the pools.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
 
+from common.load_figures import LoadReply, descriptor, load_figures
 from protos.epd.v1 import registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -25,14 +30,16 @@ class Registrar:
         address: str,
         role: str,
         capacity: int,
-        load_fn: Callable[[], dict[str, float]],
+        report_fn: Callable[[], LoadReply],
         info: dict[str, str] | None = None,
         interval_s: float = 1.0,
     ) -> None:
+        """``report_fn`` returns the worker's own ``GetLoad`` reply: each heartbeat carries its
+        load figures and descriptor (``common.load_figures``)."""
         self._address = address
         self._role = role
         self._capacity = capacity
-        self._load_fn = load_fn
+        self._report_fn = report_fn
         self._info = dict(info or {})
         self._interval_s = interval_s
         self._channel = grpc.insecure_channel(gateway)
@@ -47,13 +54,15 @@ class Registrar:
 
     def beat(self) -> None:
         """One heartbeat now; raises grpc.RpcError when the gateway is unreachable."""
+        report = self._report_fn()
         reply = self._stub.Heartbeat(
             registry_pb2.HeartbeatRequest(
                 address=self._address,
                 role=self._role,
                 capacity=self._capacity,
-                load=self._load_fn(),
+                load=load_figures(report),
                 info=self._info,
+                **descriptor(report),
             ),
             timeout=max(self._interval_s, 1.0),
         )
@@ -87,3 +96,26 @@ class Registrar:
         except grpc.RpcError:
             pass
         self._channel.close()
+
+
+def list_workers(registry_address: str, timeout_s: float = 5.0) -> list[registry_pb2.WorkerInfo]:
+    """Every worker the gateway at ``registry_address`` (its registry port) knows."""
+    with grpc.insecure_channel(registry_address) as channel:
+        stub = registry_pb2_grpc.WorkerRegistryStub(channel)
+        return list(stub.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=timeout_s).workers)
+
+
+def wait_for_workers(
+    registry_address: str, num_encoders: int, num_languages: int, timeout_s: float
+) -> None:
+    """Until at least this many healthy workers of each role are registered."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            roles = [w.role for w in list_workers(registry_address) if w.healthy]
+        except grpc.RpcError:
+            roles = []
+        if roles.count("encoder") >= num_encoders and roles.count("language") >= num_languages:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("workers did not register with the gateway in time")

@@ -1,8 +1,9 @@
 """What every worker process has besides its own service: registration and metrics.
 
 ``WorkerConfig`` is nested in the encoder's and the language worker's configs (same flags, each
-under its role's env prefix). ``WorkerRuntime`` starts the heartbeat to the gateway and the
-Prometheus endpoint, and stops both on shutdown.
+under its role's env prefix). ``WorkerRuntime`` starts the heartbeat to the gateway (carrying
+what the worker's own ``GetLoad`` reply says) and the Prometheus endpoint, and stops both on
+shutdown.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.cli_config import add_cli_args, field, from_cli_args
+from common.load_figures import LoadReply
 from common.registration import Registrar
 from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
 from common.transfer.config import TransferConfig
@@ -43,7 +45,7 @@ class WorkerRuntime:
         role: str,
         bind_host: str,
         port: int,
-        load_fn: Callable[[], dict[str, float]],
+        report_fn: Callable[[], LoadReply],
         info: dict[str, str] | None = None,
         registry=None,
     ) -> None:
@@ -60,7 +62,7 @@ class WorkerRuntime:
                 self.address,
                 role,
                 config.capacity,
-                load_fn,
+                report_fn,
                 info,
                 config.heartbeat_interval_s,
             ).start()

@@ -23,6 +23,17 @@ class LocalStack:
     metrics_ports: dict[str, int] = field(default_factory=dict)  # by process name
 
     @property
+    def registry_address(self) -> str:
+        """Where workers register and operators list them (the gateway's internal port)."""
+        return self.gateway.address
+
+    def workers(self) -> list:
+        """The gateway's ``ListWorkers`` (``registry_pb2.WorkerInfo`` of every known worker)."""
+        from common.registration import list_workers
+
+        return list_workers(self.registry_address)
+
+    @property
     def procs(self) -> list[ServiceProcess]:
         return [self.gateway, *self.encoders, *self.languages]
 
@@ -35,11 +46,10 @@ class LocalStack:
         """Until every live worker is registered and healthy at the gateway."""
         want = {p.address for p in self.encoders + self.languages if p.alive()}
         deadline = time.monotonic() + timeout_s
-        with self.client() as client:
-            while time.monotonic() < deadline:
-                if want <= {w.address for w in client.list_workers() if w.healthy}:
-                    return
-                time.sleep(0.1)
+        while time.monotonic() < deadline:
+            if want <= {w.address for w in self.workers() if w.healthy}:
+                return
+            time.sleep(0.1)
         raise TimeoutError(f"workers not registered with the gateway: {sorted(want)}")
 
     def stop(self) -> None:

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from common.models.tiny import ensure_tiny_model
-    from services.gateway.client import GatewayClient
+    from common.registration import wait_for_workers
     from services.launcher import run_demo
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -129,11 +129,10 @@ def run(args: argparse.Namespace) -> int:
                 )
         addresses = ray.get([a.address.remote() for a in actors[1:]], timeout=args.startup_timeout)
         print("workers: " + ", ".join(addresses), flush=True)
-        with GatewayClient(gateway_address) as client:
-            client.wait_for_workers(args.encoders, args.languages, args.startup_timeout)
-        run_demo(gateway_address, max_tokens=16)
+        wait_for_workers(gateway_address, args.encoders, args.languages, args.startup_timeout)
+        ok = run_demo(gateway_address, max_tokens=16)
         if args.once:
-            return 0
+            return 0 if ok else 1
         if args.address:
             print("actors are detached in namespace 'epd'; this command can exit", flush=True)
             return 0

@@ -17,6 +17,7 @@ from common.grpc_server import Running, create_server, serve_until_terminated, s
 from common.worker import WorkerRuntime, add_worker_arguments, worker_configs
 from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
 
+from . import convert
 from .config import ENV_PREFIX, EncoderConfig
 from .metrics import create_registry
 from .service import EncoderService
@@ -84,21 +85,10 @@ def start_runtime(config: EncoderConfig, service: EncoderService, port: int) -> 
         "encoder",
         config.host,
         port,
-        lambda: load_figures(service),
+        lambda: convert.load_to_proto(service.load()),
         info={"transfer_endpoint": service.sender.endpoint},
         registry=create_registry(service),
     )
-
-
-def load_figures(service: EncoderService) -> dict[str, float]:
-    """The load numbers the encoder heartbeats to the gateway."""
-    load = service.load()
-    return {
-        "queue_depth": float(load.num_queued_requests),
-        "queued_images": float(load.num_queued_images),
-        "waiting_for_blocks": float(load.num_waiting_for_blocks),
-        "free_blocks": float(load.sender.get("num_free_blocks", -1)),
-    }
 
 
 def main() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,19 +69,6 @@ class GatewayClient:
         self, prompt: str, images: list[bytes] = (), timeout: float | None = None, **kw: object
     ) -> gateway_pb2.GenerateResponse:
         return self.stub.GenerateUnary(build_request(prompt, list(images), **kw), timeout=timeout)
-
-    def list_workers(self) -> list[gateway_pb2.WorkerInfo]:
-        return list(self.stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers)
-
-    def wait_for_workers(self, num_encoders: int, num_languages: int, timeout_s: float) -> None:
-        """Until at least this many healthy workers of each role are registered."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            roles = [w.role for w in self.list_workers() if w.healthy]
-            if roles.count("encoder") >= num_encoders and roles.count("language") >= num_languages:
-                return
-            time.sleep(0.2)
-        raise TimeoutError("workers did not register with the gateway in time")
 
     def abort(self, request_id: str) -> bool:
         reply = self.stub.Abort(gateway_pb2.AbortRequest(request_id=request_id), timeout=5)

@@ -145,8 +145,8 @@ class Orchestrator:
     def _transfer_endpoint(self, encoder: Worker) -> str:
         endpoint = encoder.info.get("transfer_endpoint", "")
         if not endpoint:  # a static encoder not polled yet
-            healthy, load, info = calls.poll(encoder, timeout_s=2.0)
-            self.registry.mark(encoder.address, healthy, load, info)
+            healthy, load, info, descriptor = calls.poll(encoder, timeout_s=2.0)
+            self.registry.mark(encoder.address, healthy, load, info, descriptor)
             endpoint = info.get("transfer_endpoint", "")
         return endpoint
 

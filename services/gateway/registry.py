@@ -38,6 +38,9 @@ class Worker:
     in_flight: int = 0
     load: dict[str, float] = field(default_factory=dict)
     info: dict[str, str] = field(default_factory=dict)  # e.g. an encoder's transfer endpoint
+    # What it says of its shape (``common.load_figures.descriptor``): transfer_layout (a
+    # common_pb2.TransferLayout), max_prompt_tokens (encoder), max_seq_len (language).
+    descriptor: dict[str, Any] = field(default_factory=dict)
 
 
 class WorkerRegistry:
@@ -74,6 +77,7 @@ class WorkerRegistry:
         capacity: int,
         load: dict[str, float],
         info: dict[str, str] | None = None,
+        descriptor: dict[str, Any] | None = None,
     ) -> None:
         """Register or refresh a worker; a dropped worker comes back here."""
         with self._lock:
@@ -87,6 +91,8 @@ class WorkerRegistry:
             worker.load = dict(load)
             if info is not None:
                 worker.info = dict(info)
+            if descriptor is not None:
+                worker.descriptor = dict(descriptor)
             worker.healthy = True
             worker.last_seen = self._clock()
 
@@ -103,6 +109,7 @@ class WorkerRegistry:
         healthy: bool,
         load: dict[str, float] | None = None,
         info: dict[str, str] | None = None,
+        descriptor: dict[str, Any] | None = None,
     ) -> None:
         """Record a health/load poll of a worker."""
         with self._lock:
@@ -116,6 +123,8 @@ class WorkerRegistry:
                     worker.load = dict(load)
                 if info is not None:
                     worker.info = dict(info)
+                if descriptor:
+                    worker.descriptor = dict(descriptor)
 
     def expire(self) -> list[str]:
         """Drop self-registered workers silent for too long; static ones only turn unhealthy."""

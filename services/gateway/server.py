@@ -47,8 +47,8 @@ class HealthPoller:
         self._thread.start()
 
     def _poll(self, worker) -> None:
-        healthy, load, info = calls.poll(worker, timeout_s=max(self._period_s, 0.5))
-        self._registry.mark(worker.address, healthy, load or None, info or None)
+        healthy, load, info, descriptor = calls.poll(worker, timeout_s=max(self._period_s, 0.5))
+        self._registry.mark(worker.address, healthy, load or None, info or None, descriptor)
 
     def _loop(self) -> None:
         while not self._stop.wait(self._period_s):

@@ -76,24 +76,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} in flight")
         return gateway_pb2.AbortResponse(aborted=True)
 
-    def ListWorkers(self, request, context):  # noqa: N802
-        return gateway_pb2.ListWorkersResponse(
-            workers=[
-                gateway_pb2.WorkerInfo(
-                    address=w.address,
-                    role=w.role.value,
-                    healthy=w.healthy,
-                    capacity=w.capacity,
-                    in_flight=w.in_flight,
-                    last_seen_s=self.registry.age_s(w),
-                    load=w.load,
-                    static=w.static,
-                    info=w.info,
-                )
-                for w in sorted(self.registry.all(), key=lambda w: (w.role.value, w.address))
-            ]
-        )
-
 
 class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
     def __init__(self, registry: WorkerRegistry, interval_s: float) -> None:
@@ -114,9 +96,33 @@ class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
             max(request.capacity, 1),
             dict(request.load),
             dict(request.info),
+            {
+                "transfer_layout": request.transfer_layout,
+                "max_prompt_tokens": request.max_prompt_tokens,
+                "max_seq_len": request.max_seq_len,
+            },
         )
         return registry_pb2.HeartbeatResponse(interval_s=self.interval_s)
 
     def Deregister(self, request, context):  # noqa: N802
         self.registry.deregister(request.address)
         return registry_pb2.DeregisterResponse()
+
+    def ListWorkers(self, request, context):  # noqa: N802
+        return registry_pb2.ListWorkersResponse(
+            workers=[
+                registry_pb2.WorkerInfo(
+                    address=w.address,
+                    role=w.role.value,
+                    healthy=w.healthy,
+                    capacity=w.capacity,
+                    in_flight=w.in_flight,
+                    last_seen_s=self.registry.age_s(w),
+                    load=w.load,
+                    static=w.static,
+                    info=w.info,
+                    **w.descriptor,
+                )
+                for w in sorted(self.registry.all(), key=lambda w: (w.role.value, w.address))
+            ]
+        )

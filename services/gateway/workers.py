@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.load_figures import descriptor, load_figures
 from protos.epd.v1 import (
     common_pb2,
     encoder_pb2,
@@ -60,40 +61,25 @@ def generate(
     return stub.Generate(request, timeout=timeout_s)
 
 
-def poll(worker: Worker, timeout_s: float) -> tuple[bool, dict[str, float], dict[str, str]]:
-    """Health plus load of one worker: (healthy, load figures, info)."""
+def poll(worker: Worker, timeout_s: float) -> tuple[bool, dict[str, float], dict[str, str], dict]:
+    """Health plus load of one worker: (healthy, load figures, info, descriptor); see
+    ``common.load_figures``."""
     try:
         reply = health_pb2_grpc.HealthStub(worker.channel).Check(
             health_pb2.HealthCheckRequest(), timeout=timeout_s
         )
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            return False, {}, {}
+            return False, {}, {}, {}
         if worker.role == Role.ENCODER:
             load = encoder_pb2_grpc.EncoderStub(worker.channel).GetLoad(
                 encoder_pb2.GetLoadRequest(), timeout=timeout_s
             )
-            return (
-                True,
-                {
-                    "queue_depth": float(load.num_queued_requests),
-                    "queued_images": float(load.num_queued_images),
-                    "free_blocks": float(load.free_blocks),
-                },
-                {"transfer_endpoint": load.sender_endpoint},
+            info = {"transfer_endpoint": load.sender_endpoint}
+        else:
+            load = language_pb2_grpc.LanguageServiceStub(worker.channel).GetLoad(
+                language_pb2.LanguageLoadRequest(), timeout=timeout_s
             )
-        load = language_pb2_grpc.LanguageServiceStub(worker.channel).GetLoad(
-            language_pb2.LanguageLoadRequest(), timeout=timeout_s
-        )
-        return (
-            True,
-            {
-                "running": float(load.num_running),
-                "waiting": float(load.num_waiting),
-                "receiving": float(load.num_receiving),
-                "kv_slots_used": float(load.num_kv_slots_used),
-                "kv_slots_total": float(load.num_kv_slots_total),
-            },
-            {},
-        )
+            info = {}
+        return True, load_figures(load), info, descriptor(load)
     except grpc.RpcError:
-        return False, {}, {}
+        return False, {}, {}, {}

@@ -21,7 +21,7 @@ from services.language.config import ENV_PREFIX, LanguageConfig
 from services.language.engine.engine import LanguageEngine
 from services.language.engine_thread import EngineThread
 from services.language.metrics import create_registry
-from services.language.servicer import LanguageServicer
+from services.language.servicer import LanguageServicer, load_reply
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "epd.v1.LanguageService"
@@ -87,21 +87,9 @@ def start_runtime(config: LanguageConfig, handle: LanguageServer) -> WorkerRunti
         "language",
         config.host,
         handle.port,
-        lambda: load_figures(handle),
+        lambda: load_reply(handle.engine_thread, handle.embedding_source),
         registry=create_registry(handle),
     )
-
-
-def load_figures(handle: LanguageServer) -> dict[str, float]:
-    """The load numbers the worker heartbeats to the gateway."""
-    load = handle.engine_thread.load()
-    return {
-        "running": float(load.num_running),
-        "waiting": float(load.num_waiting),
-        "receiving": float(load.num_receiving),
-        "kv_slots_used": float(load.num_kv_slots_used),
-        "kv_slots_total": float(load.num_kv_slots_total),
-    }
 
 
 def start(args: argparse.Namespace) -> Running:

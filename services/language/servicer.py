@@ -109,22 +109,27 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         return language_pb2.LanguageAbortResponse(found=found)
 
     def GetLoad(self, request, context):
-        load = self.engine_thread.load()
-        blocks = (
-            self.source.block_stats()
-            if self.source is not None
-            else {"num_free_blocks": -1, "num_used_blocks": -1}
-        )
-        return language_pb2.LanguageLoad(
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            num_receiving=load.num_receiving,
-            num_kv_slots_used=load.num_kv_slots_used,
-            num_kv_slots_total=load.num_kv_slots_total,
-            num_radix_hit_tokens=load.num_radix_hit_tokens,
-            num_radix_tokens=load.num_radix_tokens,
-            num_free_transfer_blocks=blocks["num_free_blocks"],
-            num_used_transfer_blocks=blocks["num_used_blocks"],
-            num_lent_transfer_blocks=blocks.get("num_lent_blocks", 0),
-            num_rooms_lent=blocks.get("num_rooms_lent", 0),
-        )
+        return load_reply(self.engine_thread, self.source)
+
+
+def load_reply(engine_thread: EngineThread, source=None) -> language_pb2.LanguageLoad:
+    """The worker's ``GetLoad`` reply (also what its heartbeats report)."""
+    load = engine_thread.load()
+    blocks = (
+        source.block_stats()
+        if source is not None
+        else {"num_free_blocks": -1, "num_used_blocks": -1}
+    )
+    return language_pb2.LanguageLoad(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        num_receiving=load.num_receiving,
+        num_kv_slots_used=load.num_kv_slots_used,
+        num_kv_slots_total=load.num_kv_slots_total,
+        num_radix_hit_tokens=load.num_radix_hit_tokens,
+        num_radix_tokens=load.num_radix_tokens,
+        num_free_transfer_blocks=blocks["num_free_blocks"],
+        num_used_transfer_blocks=blocks["num_used_blocks"],
+        num_lent_transfer_blocks=blocks.get("num_lent_blocks", 0),
+        num_rooms_lent=blocks.get("num_rooms_lent", 0),
+    )

@@ -104,22 +104,22 @@ def assert_serving(stack: Stack, images=(SMALL_IMAGE,), seed: int = 0) -> None:
         assert text.token_ids and text.encoder == ""
 
 
-def encoder_in_flight(client: GatewayClient) -> str:
-    for w in client.list_workers():
+def encoder_in_flight(stack: Stack) -> str:
+    for w in stack.workers():
         if w.role == "encoder" and w.in_flight:
             return w.address
     return ""
 
 
-def language_in_flight(client: GatewayClient) -> str:
-    for w in client.list_workers():
+def language_in_flight(stack: Stack) -> str:
+    for w in stack.workers():
         if w.role == "language" and w.in_flight:
             return w.address
     return ""
 
 
-def healthy_addresses(client: GatewayClient, role: str) -> set[str]:
-    return {w.address for w in client.list_workers() if w.role == role and w.healthy}
+def healthy_addresses(stack: Stack, role: str) -> set[str]:
+    return {w.address for w in stack.workers() if w.role == role and w.healthy}
 
 
 def by_address(procs: list[ServiceProcess], address: str) -> ServiceProcess:
@@ -141,7 +141,7 @@ def test_encoder_killed_mid_transfer(tiny_model_dir, stack_factory) -> None:
         outcome, done = stream_in_background(
             pool, client, "Describe the three pictures.", images, max_tokens=MAX_TOKENS, timeout=30
         )
-        address = wait_for(lambda: encoder_in_flight(client), 20, "the encoder to accept")
+        address = wait_for(lambda: encoder_in_flight(stack), 20, "the encoder to accept")
         victim = by_address(stack.encoders, address)
         victim.kill(signal.SIGSTOP)  # freeze it first, then check it really was mid-way
         try:
@@ -160,7 +160,7 @@ def test_encoder_killed_mid_transfer(tiny_model_dir, stack_factory) -> None:
     with stack.client() as client:
         survivor = next(p for p in stack.encoders if p is not victim).address
         wait_for(
-            lambda: healthy_addresses(client, "encoder") == {survivor}, 10, "dead encoder dropped"
+            lambda: healthy_addresses(stack, "encoder") == {survivor}, 10, "dead encoder dropped"
         )
         # the same large request goes to the survivor, with its continuation
         reply = client.generate(
@@ -179,7 +179,7 @@ def test_language_killed_mid_decode(tiny_model_dir, stack_factory) -> None:
             pool, client, "Tell a long story.", [SMALL_IMAGE], timeout=60, **LONG
         )
         assert outcome.first_chunk.wait(30) and outcome.chunks, outcome.details
-        address = wait_for(lambda: language_in_flight(client), 5, "the language worker")
+        address = wait_for(lambda: language_in_flight(stack), 5, "the language worker")
         victim = by_address(stack.languages, address)
         assert stack.language_load(stack.languages.index(victim)).num_running == 1
         victim.kill()
@@ -191,7 +191,7 @@ def test_language_killed_mid_decode(tiny_model_dir, stack_factory) -> None:
 
         survivor = next(p for p in stack.languages if p is not victim).address
         wait_for(
-            lambda: healthy_addresses(client, "language") == {survivor}, 10, "dead worker dropped"
+            lambda: healthy_addresses(stack, "language") == {survivor}, 10, "dead worker dropped"
         )
     for i in range(3):
         assert_serving(stack, images=(SMALL_IMAGE, png_bytes(noise_image(200 + i))), seed=i)
@@ -358,7 +358,7 @@ def test_encoder_that_never_answers(shared: Stack) -> None:
             ), (outcome.code, outcome.details)
             assert outcome.elapsed_s < 4.5 and not outcome.chunks
             # the gateway stops routing to it: fail fast instead of waiting out deadlines
-            wait_for(lambda: not healthy_addresses(client, "encoder"), 10, "encoder unhealthy")
+            wait_for(lambda: not healthy_addresses(shared, "encoder"), 10, "encoder unhealthy")
             start = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
                 client.generate("Anyone?", [image], max_tokens=MAX_TOKENS, timeout=10)
@@ -378,7 +378,7 @@ def test_encoder_that_never_answers(shared: Stack) -> None:
 def test_gateway_without_workers_is_unavailable(tiny_model_dir, stack_factory) -> None:
     stack = stack_factory(tiny_model_dir(ARCH), num_encoders=0, num_languages=0)
     with stack.client() as client:
-        assert client.list_workers() == []
+        assert stack.workers() == []
         for images in ([], [SMALL_IMAGE]):
             with pytest.raises(grpc.RpcError) as info:
                 client.generate("Hello?", images, max_tokens=4, timeout=10)
