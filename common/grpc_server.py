@@ -14,13 +14,19 @@ from grpc_reflection.v1alpha import reflection
 
 
 def create_server(num_threads: int, max_message_mb: int, name: str) -> grpc.Server:
-    """A server whose messages may be ``max_message_mb`` large (images are MBs)."""
+    """A server whose messages may be ``max_message_mb`` large (images are MBs).
+
+    NOTE: grpcio sets ``SO_REUSEPORT`` by default, so a second server binds a port already in
+    use and the kernel splits connections between the two. Ports here are exclusive: a busy
+    port is a start-up error.
+    """
     max_bytes = max_message_mb << 20
     return grpc.server(
         futures.ThreadPoolExecutor(num_threads, thread_name_prefix=f"{name}-rpc"),
         options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
+            ("grpc.so_reuseport", 0),
         ],
     )
 
@@ -37,9 +43,12 @@ def start_server(
     reflection.enable_server_reflection(
         (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise OSError(f"cannot bind gRPC port {host}:{port}: in use or not available")
     server.start()
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

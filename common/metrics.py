@@ -54,7 +54,11 @@ class MetricsServer:
 def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0"):
     """Serve ``registry`` at ``http://host:port/metrics``."""
     handler = MetricsHandler.factory(registry)
-    return MetricsServer(ThreadingHTTPServer((host, port), handler))
+    try:
+        httpd = ThreadingHTTPServer((host, port), handler)
+    except OSError as exc:
+        raise OSError(f"cannot bind metrics port {host}:{port}: {exc.strerror}") from None
+    return MetricsServer(httpd)
 
 
 def histogram(

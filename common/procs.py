@@ -2,11 +2,13 @@
 
 Used by ``epd run``, the Ray-free local launcher, and the integration tests, which all start
 real processes on 127.0.0.1. Children get their own process group so that stopping one stops
-everything it started; nothing outlives its owner.
+everything it started, and die with their parent even when it is killed (``PR_SET_PDEATHSIG``):
+nothing outlives its owner.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -28,6 +30,23 @@ RUNTIME_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GLOG_minloglevel": "2"}
 def runtime_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a serving child process: ``RUNTIME_ENV`` under ours, then ``extra``."""
     return {**RUNTIME_ENV, **os.environ, **(extra or {})}
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """In a freshly forked child: receive ``sig`` when the parent dies, however it dies.
+
+    NOTE: the signal fires when the *thread* that forked the child ends, so start children from
+    a thread that lives as long as they should (the main thread here). The parent may already be
+    gone between fork and this call; then the child leaves at once.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,12 +84,14 @@ class ServiceProcess:
         self.log_path = Path(log_dir) / f"{name}.log"
         env = runtime_env({"PYTHONUNBUFFERED": "1", **(env or {})})
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        parent = os.getpid()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=lambda: die_with_parent(parent),
         )
 
     def alive(self) -> bool:

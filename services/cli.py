@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"epd {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, OSError) as exc:  # bad settings, files, busy ports: one line, no trace
+        print(f"epd {name}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Each service is a separate process (``epd serve ROLE``) registering with the gateway. Once all
 are healthy and registered, a demo request with a generated image is streamed through the
-gateway and the answer and timing breakdown printed; then it keeps serving until Ctrl-C
-(``--once``: exit after the demo). Every child is stopped on the way out.
+gateway and the answer and timing breakdown printed (a failed demo is one line, and the stack
+keeps serving); then it keeps serving until Ctrl-C (``--once``: exit after the demo, with status
+1 if it failed). Every child is stopped on the way out, and dies with it if it is killed.
 """
 
 from __future__ import annotations
@@ -60,8 +61,11 @@ def demo_image():
     return image
 
 
-def run_demo(gateway: str, max_tokens: int) -> None:
+def run_demo(gateway: str, max_tokens: int) -> bool:
+    """Stream the demo request through ``gateway``; False (said in one line) when it failed."""
     import io
+
+    import grpc
 
     from services.gateway.client import GatewayClient, format_timing
 
@@ -71,13 +75,20 @@ def run_demo(gateway: str, max_tokens: int) -> None:
     with GatewayClient(gateway) as client:
         final = None
         sys.stdout.write("answer: ")
-        for chunk in client.generate_stream(DEMO_PROMPT, [buf.getvalue()], max_tokens=max_tokens):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            final = chunk
+        try:
+            for chunk in client.generate_stream(
+                DEMO_PROMPT, [buf.getvalue()], max_tokens=max_tokens
+            ):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                final = chunk
+        except grpc.RpcError as exc:
+            _say(f"\ndemo request failed: {exc.code().name}: {exc.details()}")
+            return False
         _say("")
-    assert final is not None
-    _say(format_timing(final))
+    if final is not None:
+        _say(format_timing(final))
+    return True
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -112,9 +123,9 @@ def run(args: argparse.Namespace) -> int:
         )
         for name, port in stack.metrics_ports.items():
             _say(f"  metrics   {name:<12} http://127.0.0.1:{port}/metrics")
-        run_demo(gateway, args.max_tokens)
+        ok = run_demo(gateway, args.max_tokens)
         if args.once:
-            return 0
+            return 0 if ok else 1
         _say(
             f"\nserving on {gateway} (Ctrl-C to stop); try: epd generate --gateway {gateway} "
             "--prompt 'Hello'"

@@ -19,11 +19,16 @@ class ControlChannel:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._pull.bind(f"tcp://{host}:{port}")
-            bound_port = port
-        else:
-            bound_port = self._pull.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._pull.bind(f"tcp://{host}:{port}")
+                bound_port = port
+            else:
+                bound_port = self._pull.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._pull.close()
+            self._ctx.term()
+            raise OSError(f"cannot bind transfer control port {host}:{port}: {exc}") from None
         self.endpoint = f"tcp://{host}:{bound_port}"
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
