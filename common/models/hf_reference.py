@@ -25,20 +25,33 @@ class ReferenceInputs:
 
 
 class HFReference:
-    """Loads a checkpoint with transformers and runs it the monolithic way."""
+    """Loads a checkpoint with transformers and runs it the monolithic way.
 
-    def __init__(self, model_path: str | Path, device: str = "cpu") -> None:
+    ``dtype`` is the whole model's compute dtype. With ``wire_dtype``, the vision tower's output
+    (embeddings and deepstack rows) is rounded to that dtype and back, exactly what the
+    disaggregated path does to rows it ships in that wire dtype; everything else is unchanged.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
         from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.image_processor = AutoImageProcessor.from_pretrained(str(model_path))
         self.model = (
-            AutoModelForImageTextToText.from_pretrained(str(model_path), dtype=torch.float32)
+            AutoModelForImageTextToText.from_pretrained(str(model_path), dtype=dtype)
             .to(device)
             .eval()
         )
         self.device = device
         self.config = self.model.config
+        if wire_dtype is not None:
+            self.model.model.visual.register_forward_hook(_rounding_hook(wire_dtype))
 
     def build_inputs(self, prompt: str, images: list[Image.Image]) -> ReferenceInputs:
         """Images first, then the text, in one user turn (the ``epd generate`` layout)."""
@@ -84,3 +97,19 @@ class HFReference:
             **kwargs,
         )
         return out[0, ids.shape[1] :].tolist()
+
+
+def _rounding_hook(wire_dtype: torch.dtype):
+    """A forward hook that rounds the vision tower's rows to ``wire_dtype`` and back."""
+
+    def round_trip(rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(wire_dtype).to(rows.dtype)
+
+    def hook(module, args, output):
+        output.pooler_output = round_trip(output.pooler_output)
+        deepstack = getattr(output, "deepstack_features", None)
+        if deepstack:
+            output.deepstack_features = [round_trip(rows) for rows in deepstack]
+        return output
+
+    return hook

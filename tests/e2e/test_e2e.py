@@ -1,21 +1,31 @@
-"""End to end through the gateway: greedy tokens equal transformers' monolithic generate."""
+"""End to end through the gateway: greedy tokens equal transformers' monolithic generate.
+
+Rows travel in the wire dtype (``EPD_TRANSFER_DTYPE``). With an fp32 wire the disaggregated
+path does the same arithmetic as transformers; with the default bf16 wire the reference's vision
+output is rounded to bf16 the same way (``HFReference(wire_dtype=...)``), so equality stays
+token for token in both cases.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from common.models.hf_reference import HFReference
 from tests.conftest import ARCHS
 from tests.e2e.conftest import noise_image, png_bytes
 
 MAX_TOKENS = 12
+WIRES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_disaggregated_greedy_equals_monolithic(arch, tiny_model_dir, stack_factory) -> None:
+@pytest.mark.parametrize(
+    "arch,wire", [(arch, "bfloat16") for arch in ARCHS] + [("qwen2_5_vl", "float32")]
+)
+def test_disaggregated_greedy_equals_monolithic(arch, wire, tiny_model_dir, stack_factory):
     model_dir = tiny_model_dir(arch)
-    ref = HFReference(model_dir)
-    stack = stack_factory(model_dir)
+    ref = HFReference(model_dir, wire_dtype=WIRES[wire])
+    stack = stack_factory(model_dir, env={"EPD_TRANSFER_DTYPE": wire})
     image = noise_image(7, 112, 84)
     prompt = "Describe the image."
     expected = ref.generate(ref.build_inputs(prompt, [image]), MAX_TOKENS)
@@ -51,7 +61,7 @@ def test_disaggregated_greedy_equals_monolithic(arch, tiny_model_dir, stack_fact
 def test_prompt_over_the_default_buffer_uses_continuations(tiny_model_dir, stack_factory):
     """A 1,100-token prompt against a 256-token default buffer: several continuations."""
     model_dir = tiny_model_dir("qwen2_5_vl")
-    ref = HFReference(model_dir)
+    ref = HFReference(model_dir, wire_dtype=torch.bfloat16)
     stack = stack_factory(model_dir, env={"EPD_TRANSFER_DEFAULT_TOKENS": "256"})
     images = [noise_image(11, 896, 728), noise_image(12, 448, 448)]
     prompt = "Compare the two pictures."
