@@ -71,7 +71,7 @@ def test_plan_precedence_and_fraction_arithmetic():
     probe = MemoryProbe(11 * GIB, "MemAvailable")
     plan = plan_kv_pool(sizing(), 4096, cpu, probe)
     assert plan.num_slots == int(0.9 * 10 * GIB) // 4096
-    assert "0.9 of 11264 MiB (MemAvailable) less 1024 MiB reserve" == plan.reason
+    assert plan.reason == "0.9 x (11264 MiB MemAvailable - 1024 MiB reserve)"
     plan = plan_kv_pool(
         sizing(kv_cache_memory_fraction=0.5, kv_cache_reserve_mb=0), 1024, cpu, probe
     )
@@ -149,7 +149,7 @@ def test_engine_sizes_its_pool_from_memory_and_advertises_max_seq_len(harness):
     h = harness("qwen2_5_vl")
     engine = h.engine(num_kv_slots=0, kv_cache_memory_fraction=0.01, kv_cache_reserve_mb=0)
     plan = engine.kv_plan
-    assert plan.reason.startswith("0.01 of ") and plan.num_slots > 1000
+    assert plan.reason.startswith("0.01 x (") and plan.num_slots > 1000
     assert engine.cache_manager.allocator.num_slots == plan.num_slots
     assert engine.max_seq_len == min(plan.num_slots, 32_768)
 

@@ -109,8 +109,8 @@ def plan_kv_pool(
         budget = int(config.kv_cache_memory_fraction * max(0, probe.available_bytes - reserve))
         num_slots = budget // slot_bytes
         reason = (
-            f"{config.kv_cache_memory_fraction:g} of {probe.available_bytes // MIB} MiB "
-            f"({probe.source}) less {config.kv_cache_reserve_mb} MiB reserve"
+            f"{config.kv_cache_memory_fraction:g} x ({probe.available_bytes // MIB} MiB "
+            f"{probe.source} - {config.kv_cache_reserve_mb} MiB reserve)"
         )
     if num_slots < 1:
         raise ValueError(
