@@ -153,6 +153,13 @@ def test_prompt_longer_than_max_seq_len_is_refused_naming_both_numbers(h, image_
     assert len(tokens_of(outputs)) == 10
     assert outputs[-1].finish_reason == FinishReason.LENGTH
     assert_nothing_held(engine)
+    full = h.engine(max_seq_len=prompt_len)
+    with pytest.raises(ValueError) as err:
+        full.add_request("full", SamplingParams(max_new_tokens=None), image_case.inputs)
+    assert str(err.value) == (
+        f"prompt is {prompt_len} tokens: with a new token it exceeds this worker's "
+        f"max_seq_len {prompt_len}"
+    )
 
 
 def test_room_failing_past_its_deadline_is_deadline_exceeded(h):

@@ -41,8 +41,6 @@ from services.language.receiving import EmbeddingSource
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineLoad", "LanguageEngine", "resolve_device"]
-
 
 def resolve_device(config: LanguageConfig) -> tuple[torch.device, torch.dtype]:
     name = config.device

@@ -38,7 +38,7 @@ def check_inputs(inputs: PromptInputs, params: SamplingParams, limits: Limits) -
         max_new = min(limits.default_max_new_tokens, limits.max_seq_len - num_tokens)
         if max_new < 1:
             raise invalid(
-                f"prompt is {num_tokens} tokens: with one new token that exceeds this worker's "
+                f"prompt is {num_tokens} tokens: with a new token it exceeds this worker's "
                 f"max_seq_len {limits.max_seq_len}"
             )
     elif num_tokens + max_new > limits.max_seq_len:
