@@ -164,6 +164,13 @@ class EngineThread:
             error = f"engine error: {type(exc).__name__}: {exc}"
             return [self.engine.abort(rid, error) for rid in list(self.engine.requests)]
 
+    def _guarded(self, action: Callable[[], None]) -> None:
+        """Run ``action``; a defect in it is logged and the thread goes on serving."""
+        try:
+            action()
+        except Exception:
+            logger.exception("engine thread action failed")
+
     def _loop(self) -> None:
         runnable = False
         while True:
@@ -175,9 +182,9 @@ class EngineThread:
                 commands, self._inbox = self._inbox, collections.deque()
                 rooms_ready, self._rooms_ready = self._rooms_ready, False
             for command in commands:
-                command()
+                self._guarded(command)
             if rooms_ready:
-                self._dispatch(self.engine.collect_embeddings())
+                self._guarded(lambda: self._dispatch(self.engine.collect_embeddings()))
             runnable = False
             if self.engine.has_work():
                 num_batches = self.engine.num_batches

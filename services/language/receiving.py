@@ -64,7 +64,7 @@ class ReceiverSource:
                 continue
             try:
                 done.append((room, PromptInputs.from_received(result, self.num_deepstack)))
-            except ValueError as exc:
+            except Exception as exc:  # a malformed room fails alone
                 self.receiver.release(room)
                 done.append((room, exc))
         return done

@@ -1,7 +1,7 @@
 """A stand-in encoder for tests and benchmarks: ``PromptInputs`` from transformers' own model.
 
-Until the encoder service is wired in, this plays its part: image tokens get a pad id from a
-hash of the image's pixel values, positions come from ``get_rope_index`` and image rows from
+It plays the encoder's part in-process: image tokens get a pad id from a hash of the image's
+pixel values (and the prompt carries each image's hash and token count), positions come from ``get_rope_index`` and image rows from
 ``model.model.visual`` (Qwen3-VL: main row then each deepstack row, along the hidden dim).
 """
 

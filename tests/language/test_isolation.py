@@ -204,3 +204,16 @@ def test_wire_dtype_rows_are_cast_to_the_model_dtype(h, image_case):
     outputs = run_to_completion(engine)
     assert tokens_of(outputs["wire"]) == tokens_of(outputs["rounded"])
     assert len(tokens_of(outputs["wire"])) == 8
+
+
+def test_a_room_with_unforeseen_bad_inputs_fails_alone(h, image_case):
+    engine = h.engine()
+    bad = image_case.inputs
+    broken = type(bad)(bad.fill_ids, bad.positions, bad.image_rows, 0, images=("not a ref",))
+    engine.add_request("odd", SamplingParams(max_new_tokens=4), room=5)
+    [out] = engine.deliver_inputs(5, broken)
+    assert out.finish_reason == FinishReason.ERROR and out.error_kind == ErrorKind.FAILED
+    assert "could not be taken" in out.error
+    assert not engine.requests and not engine.receiving
+    engine.add_request("fine", SamplingParams(max_new_tokens=8), image_case.inputs)
+    assert tokens_of(run_to_completion(engine)["fine"]) == image_case.expected

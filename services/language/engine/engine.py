@@ -163,6 +163,9 @@ class LanguageEngine:
             self._set_inputs(req, inputs)
         except RequestError as exc:
             return [self._fail(req, exc.kind, str(exc))]
+        except Exception as exc:  # inputs the checks did not foresee: this request only
+            logger.exception("request %s: its prompt could not be taken", req.request_id)
+            return [self._fail(req, ErrorKind.FAILED, f"its prompt could not be taken: {exc}")]
         self.scheduler.add(req)
         return []
 
