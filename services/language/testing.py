@@ -1,8 +1,9 @@
 """A stand-in encoder for tests and benchmarks: ``PromptInputs`` from transformers' own model.
 
 It plays the encoder's part in-process: image tokens get a pad id from a hash of the image's
-pixel values (and the prompt carries each image's hash and token count), positions come from ``get_rope_index`` and image rows from
-``model.model.visual`` (Qwen3-VL: main row then each deepstack row, along the hidden dim).
+pixel values (the prompt carries each image's hash and token count), positions come from
+``get_rope_index`` and image rows from ``model.model.visual`` (Qwen3-VL: main row then each
+deepstack row, along the hidden dim).
 """
 
 from __future__ import annotations
