@@ -1,7 +1,13 @@
-"""``LanguageConfig``: every setting of the language service (flags or ``EPD_LANGUAGE_*``)."""
+"""``LanguageConfig``: every setting of the language service (flags or ``EPD_LANGUAGE_*``).
+
+KV pool size, first match wins: ``num_kv_slots`` > 0; ``kv_cache_memory_mb`` > 0; else
+``kv_cache_memory_fraction`` of the memory left after the weights and ``kv_cache_reserve_mb``
+(see ``kvcache/sizing.py``).
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from common.cli_config import field
@@ -9,6 +15,8 @@ from common.transfer.config import TransferConfig
 from common.worker import WorkerConfig
 
 ENV_PREFIX = "EPD_LANGUAGE_"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -17,22 +25,56 @@ class LanguageConfig:
     host: str = field("127.0.0.1", help="gRPC listen address")
     port: int = field(50061, help="gRPC listen port (0 = pick a free one)")
     device: str = field("auto", help="auto | cpu | cuda | cuda:N")
-    dtype: str = field("auto", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16")
-    kv_cache_memory_mb: int = field(256, help="memory budget of the KV slot pool, MiB")
-    num_kv_slots: int = field(0, help="KV token slots; overrides kv_cache_memory_mb when > 0")
+    dtype: str = field(
+        "auto", help="compute dtype: auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16"
+    )
+    kv_cache_memory_fraction: float = field(
+        0.9,
+        help="share of the device memory left after the weights and kv_cache_reserve_mb that "
+        "the KV pool takes (CUDA: free memory; CPU: MemAvailable, capped by the cgroup limit)",
+    )
+    kv_cache_reserve_mb: int = field(
+        1024, help="memory kept out of the KV pool for activations and the rest of the process"
+    )
+    kv_cache_memory_mb: int = field(
+        0, help="KV pool size in MiB; > 0 overrides kv_cache_memory_fraction"
+    )
+    num_kv_slots: int = field(0, help="KV token slots; > 0 overrides both memory settings")
+    max_seq_len: int = field(
+        0,
+        help="longest prompt + completion of one request (0 = the KV pool's capacity, at most "
+        "the model's max_position_embeddings); clamped to the KV pool's capacity",
+    )
     chunk_size: int = field(512, help="most prefill tokens per step (chunked prefill)")
     max_running_requests: int = field(64, help="most requests prefilling or decoding at once")
     max_waiting_requests: int = field(256, help="queued requests beyond this are rejected")
-    default_max_new_tokens: int = field(128, help="max_new_tokens when a request sends 0")
+    default_max_new_tokens: int = field(
+        128, help="max_new_tokens when a request sends 0 (shortened to fit max_seq_len)"
+    )
     grpc_max_message_mb: int = field(64, help="gRPC max message size, MiB")
     grpc_workers: int = field(32, help="gRPC server threads (one per streaming call)")
     transfer: TransferConfig = field(TransferConfig(), help="the transfer plane (EPD_TRANSFER_*)")
     worker: WorkerConfig = field(WorkerConfig(), help="registration and metrics")
 
     def __post_init__(self) -> None:
-        if self.chunk_size < 1 or self.max_running_requests < 1:
-            raise ValueError("chunk_size and max_running_requests must be >= 1")
-        if self.kv_cache_memory_mb < 1 and self.num_kv_slots < 1:
-            raise ValueError("set kv_cache_memory_mb or num_kv_slots")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        for name in ("kv_cache_reserve_mb", "kv_cache_memory_mb", "num_kv_slots", "max_seq_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in (
+            "chunk_size",
+            "max_running_requests",
+            "max_waiting_requests",
+            "default_max_new_tokens",
+            "grpc_max_message_mb",
+            "grpc_workers",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,35 +1,51 @@
-"""Runs a ``LanguageEngine`` on its own thread; gRPC threads talk to it through commands.
+"""Runs a ``LanguageEngine`` on its own thread; gRPC threads talk to it through an inbox.
 
 Every engine call happens on the engine thread. Callers get a ``queue.Queue`` per request onto
-which each ``RequestOutput`` of that request is put; the last one has ``finished`` set.
+which each ``RequestOutput`` of that request is put; the last one has ``finished`` set, and
+every submitted request gets one (at shutdown too), so a caller may block on its queue.
+
+The thread never polls. It sleeps on a condition until there is something to do: a command in
+the inbox (a new request, an abort, stop), a room that ended (the embedding source's listener),
+or runnable work. Runnable means the engine has queued or running requests and the last step
+made progress; a step that scheduled nothing changes nothing until one of the other events, so
+the thread sleeps then too. A request that only waits for its embeddings costs no CPU.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.language.engine.engine import EngineLoad, LanguageEngine
-from services.language.engine.request import FinishReason, RequestOutput
+from services.language.engine.engine import LanguageEngine
+from services.language.engine.outputs import EngineLoad
+from services.language.engine.request import ErrorKind, FinishReason, RequestError, RequestOutput
 from services.language.engine.sampling import SamplingParams
 from services.language.inputs import PromptInputs
 
 logger = logging.getLogger(__name__)
 
-
-INVALID_REQUEST = "invalid request: "  # prefix of errors raised while admitting a request
+SHUTDOWN_ERROR = "the language worker is shutting down"
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting_requests``."""
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine thread is stopping: no new requests."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this id is still in flight."""
+
+
 @dataclass
 class Submission:
-    """A new request as the servicer hands it over (exactly one of messages / room)."""
+    """A new request as the servicer hands it over (exactly one of messages / inputs / room)."""
 
     request_id: str
     params: SamplingParams
@@ -37,43 +53,52 @@ class Submission:
     inputs: PromptInputs | None = None
     room: int = 0
     encoder_endpoint: str = ""
+    deadline: float | None = None  # the caller's (time.monotonic clock)
 
 
 class EngineThread:
     def __init__(self, engine: LanguageEngine, max_waiting: int) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards everything below; never held calling the engine
+        self._wake = threading.Condition(self._lock)
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._rooms_ready = False  # the embedding source has rooms to collect
+        self._stopping = False
         self._streams: dict[str, queue.Queue[RequestOutput]] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._load = engine.load()
         self._num_pending = 0  # submitted, not yet seen by the engine thread
-        self._lock = threading.Lock()
+        self._load = engine.load()
+        if engine.embedding_source is not None:
+            engine.embedding_source.listen(self._on_rooms_ready)
         self._thread = threading.Thread(target=self._loop, name="language-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=10)
+        """Finish every request (``SHUTDOWN_ERROR``) and end the thread."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
 
     def load(self) -> EngineLoad:
         return self._load
 
     def submit(self, sub: Submission) -> queue.Queue[RequestOutput]:
-        """Queue ``sub``; raises QueueFullError when too many requests wait."""
+        """Queue ``sub``; raises QueueFullError, DuplicateRequestError or EngineStoppedError."""
         with self._lock:
+            if self._stopping:
+                raise EngineStoppedError(SHUTDOWN_ERROR)
+            if sub.request_id in self._streams:
+                raise DuplicateRequestError(f"request id {sub.request_id!r} is already in use")
             load = self._load
             if load.num_waiting + load.num_receiving + self._num_pending >= self.max_waiting:
                 raise QueueFullError(f"{self.max_waiting} requests already waiting")
             self._num_pending += 1
             stream: queue.Queue[RequestOutput] = queue.Queue()
             self._streams[sub.request_id] = stream
-        self._commands.put(lambda: self._add(sub, stream))
-        self._wake.set()
+            self._post(lambda: self._add(sub, stream))
         return stream
 
     def is_active(self, request_id: str) -> bool:
@@ -81,9 +106,24 @@ class EngineThread:
         with self._lock:
             return request_id in self._streams
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(lambda: self._dispatch([self.engine.abort(request_id)]))
-        self._wake.set()
+    def abort(self, request_id: str, stream: queue.Queue[RequestOutput] | None = None) -> None:
+        """Abort ``request_id`` (only while its output goes to ``stream``, when given)."""
+        with self._lock:
+            if stream is not None and self._streams.get(request_id) is not stream:
+                return  # finished already, or the id now names another request
+            self._post(lambda: self._dispatch([self.engine.abort(request_id)]))
+
+    # ---- the engine thread --------------------------------------------------------------
+    def _post(self, command: Callable[[], None]) -> None:
+        """Queue a command for the engine thread (lock held)."""
+        self._inbox.append(command)
+        self._wake.notify()
+
+    def _on_rooms_ready(self) -> None:
+        """The embedding source's listener: runs on its thread, must not block."""
+        with self._lock:
+            self._rooms_ready = True
+            self._wake.notify()
 
     def _add(self, sub: Submission, stream: queue.Queue[RequestOutput]) -> None:
         with self._lock:
@@ -93,13 +133,17 @@ class EngineThread:
             if sub.messages is not None:
                 inputs = self.engine.tokenize_messages(sub.messages)
             self.engine.add_request(
-                sub.request_id, sub.params, inputs, sub.room, sub.encoder_endpoint
+                sub.request_id, sub.params, inputs, sub.room, sub.encoder_endpoint, sub.deadline
             )
         except Exception as exc:  # a bad request must not take the engine down
+            kind = exc.kind if isinstance(exc, RequestError) else ErrorKind.INVALID_ARGUMENT
             with self._lock:
                 self._streams.pop(sub.request_id, None)
-            error = INVALID_REQUEST + str(exc)
-            stream.put(RequestOutput(sub.request_id, [], "", FinishReason.ERROR, error=error))
+            stream.put(
+                RequestOutput(
+                    sub.request_id, [], "", FinishReason.ERROR, error=str(exc), error_kind=kind
+                )
+            )
 
     def _dispatch(self, outputs: list[RequestOutput | None]) -> None:
         for out in outputs:
@@ -112,24 +156,59 @@ class EngineThread:
             if stream is not None:
                 stream.put(out)
 
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as exc:  # a defect in the engine itself: fail what it holds, go on
+            logger.exception("engine step failed; failing every request")
+            error = f"engine error: {type(exc).__name__}: {exc}"
+            return [self.engine.abort(rid, error) for rid in list(self.engine.requests)]
+
+    def _guarded(self, action: Callable[[], None]) -> None:
+        """Run ``action``; a defect in it is logged and the thread goes on serving."""
+        try:
+            action()
+        except Exception:
+            logger.exception("engine thread action failed")
+
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            while True:
-                try:
-                    self._commands.get_nowait()()
-                except queue.Empty:
+        runnable = False
+        while True:
+            with self._lock:
+                while not (self._inbox or self._rooms_ready or self._stopping or runnable):
+                    self._wake.wait()
+                if self._stopping:
                     break
+                commands, self._inbox = self._inbox, collections.deque()
+                rooms_ready, self._rooms_ready = self._rooms_ready, False
+            for command in commands:
+                self._guarded(command)
+            if rooms_ready:
+                self._guarded(lambda: self._dispatch(self.engine.collect_embeddings()))
+            runnable = False
             if self.engine.has_work():
-                try:
-                    self._dispatch(self.engine.step())
-                except Exception:
-                    logger.exception("engine step failed; aborting every request")
-                    for rid in list(self.engine.requests):
-                        out = self.engine.abort(rid)
-                        if out is not None:
-                            out.finish_reason, out.error = FinishReason.ERROR, "engine error"
-                        self._dispatch([out])
-            else:
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+                num_batches = self.engine.num_batches
+                self._dispatch(self._step())
+                runnable = self.engine.num_batches != num_batches  # it made progress
             self._load = self.engine.load()
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Every request gets its last output: engine requests and never-added submissions."""
+        for rid in list(self.engine.requests):
+            self._dispatch([self.engine.abort(rid, SHUTDOWN_ERROR)])
+        with self._lock:
+            left, self._streams = self._streams, {}
+            self._inbox.clear()
+        for rid, stream in left.items():
+            stream.put(
+                RequestOutput(
+                    rid,
+                    [],
+                    "",
+                    FinishReason.ERROR,
+                    error=SHUTDOWN_ERROR,
+                    error_kind=ErrorKind.FAILED,
+                )
+            )
+        self._load = self.engine.load()

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.language.image_identity import ImageRef, parse_images
+
 
 @dataclass
 class PromptInputs:
@@ -23,6 +25,9 @@ class PromptInputs:
     image_rows: torch.Tensor  # [num_image_tokens, hidden*(1+num_deepstack)]
     mrope_delta: int  # decode position of token i (i >= L) is i + mrope_delta on all axes
     num_deepstack: int = 0
+    # The prompt's images in order (content hash, token count), for the radix key; None when
+    # unknown (its image tokens are then keyed at random: never shared). () for text.
+    images: tuple[ImageRef, ...] | None = None
     # Where the prompt came from, for the timing report: encode_s, num_encoder_cache_hits,
     # transfer_s, num_transfers (empty for text-only prompts).
     provenance: dict[str, float] = field(default_factory=dict)
@@ -43,18 +48,20 @@ class PromptInputs:
         """A text-only prompt: positions ``arange`` on all three axes, delta 0."""
         ids = torch.tensor(token_ids, dtype=torch.long)
         positions = torch.arange(len(token_ids)).expand(3, -1).clone()
-        return cls(ids, positions, torch.zeros(0, hidden_size), 0, 0)
+        return cls(ids, positions, torch.zeros(0, hidden_size), 0, 0, images=())
 
     @classmethod
     def from_received(cls, received, num_deepstack: int) -> PromptInputs:
         """From the transfer plane's ``ReceivedEmbeddings`` (or the encoder pipeline's output):
-        ``fill_ids`` int32[L], ``positions`` int32[3, L], ``image_rows``, ``aux.mrope_delta``."""
+        ``fill_ids`` int32[L], ``positions`` int32[3, L], ``image_rows``, ``aux.mrope_delta``
+        and the images (hash, tokens) in ``aux.extra``."""
         return cls(
             fill_ids=received.fill_ids,
             positions=received.positions,
             image_rows=received.image_rows,
             mrope_delta=int(received.aux.mrope_delta),
             num_deepstack=num_deepstack,
+            images=parse_images(getattr(received.aux, "extra", b"")),
             provenance=provenance_of(received),
         )
 

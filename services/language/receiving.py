@@ -1,13 +1,17 @@
 """The one place the language engine touches the transfer plane.
 
-The engine sees an ``EmbeddingSource``: rooms are added with the encoder's endpoint, finished
-rooms come back as ``PromptInputs`` (or an exception), aborts release the room's blocks, and
-``release`` ends a delivered room (its image rows may be views of transfer blocks until then).
+The engine sees an ``EmbeddingSource``. Per request: ``add_room`` with the encoder's endpoint
+and the request's deadline; the source calls the listener it was given (``listen``) as soon as a
+room's outcome is ready, and the engine thread, woken by it, collects finished rooms with
+``pop_done`` as ``PromptInputs`` (or an exception); ``release`` ends a delivered room (its image
+rows may be views of transfer blocks until then) and ``abort`` drops one still in flight.
+Nothing polls: between a room's start and its end the engine thread sleeps.
 ``ReceiverSource`` adapts ``common.transfer.receiver.EmbeddingReceiver`` to it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from services.language.inputs import PromptInputs
@@ -15,9 +19,18 @@ from services.language.model.config import TextModelConfig
 
 
 class EmbeddingSource(Protocol):
-    def add_room(self, room: int, encoder_endpoint: str) -> None: ...
+    def listen(self, on_ready: Callable[[], None]) -> None:
+        """Call ``on_ready`` whenever a room's outcome becomes available to ``pop_done``; it
+        runs on the source's own thread and must not block."""
+        ...
 
-    def pop_done(self) -> list[tuple[int, PromptInputs | Exception]]: ...
+    def add_room(self, room: int, encoder_endpoint: str, deadline: float | None = None) -> None:
+        """Start receiving ``room``; it fails once ``deadline`` (``time.monotonic``) passes."""
+        ...
+
+    def pop_done(self) -> list[tuple[int, PromptInputs | Exception]]:
+        """Rooms that ended since the last call (never blocks)."""
+        ...
 
     def abort(self, room: int) -> None: ...
 
@@ -37,8 +50,11 @@ class ReceiverSource:
         self.receiver = receiver
         self.num_deepstack = num_deepstack
 
-    def add_room(self, room: int, encoder_endpoint: str) -> None:
-        self.receiver.add_room(room, encoder_endpoint)
+    def listen(self, on_ready: Callable[[], None]) -> None:
+        self.receiver.on_done = on_ready
+
+    def add_room(self, room: int, encoder_endpoint: str, deadline: float | None = None) -> None:
+        self.receiver.add_room(room, encoder_endpoint, deadline)
 
     def pop_done(self) -> list[tuple[int, PromptInputs | Exception]]:
         done: list[tuple[int, PromptInputs | Exception]] = []
@@ -48,7 +64,7 @@ class ReceiverSource:
                 continue
             try:
                 done.append((room, PromptInputs.from_received(result, self.num_deepstack)))
-            except ValueError as exc:
+            except Exception as exc:  # a malformed room fails alone
                 self.receiver.release(room)
                 done.append((room, exc))
         return done

@@ -15,11 +15,13 @@ from grpc_health.v1 import health
 
 from common.cli_config import add_cli_args, from_cli_args
 from common.grpc_server import Running, create_server, serve_until_terminated, start_server
+from common.transfer.layout import dtype_name, parse_dtype
 from common.worker import WorkerRuntime, add_worker_arguments, worker_configs
 from protos.epd.v1 import language_pb2_grpc
 from services.language.config import ENV_PREFIX, LanguageConfig
 from services.language.engine.engine import LanguageEngine
 from services.language.engine_thread import EngineThread
+from services.language.kvcache.sizing import MIB
 from services.language.metrics import create_registry
 from services.language.servicer import LanguageServicer, load_reply
 
@@ -55,11 +57,22 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
     engine_thread = EngineThread(engine, config.max_waiting_requests)
     engine_thread.start()
     server = create_server(config.grpc_workers, config.grpc_max_message_mb, "epd-language")
-    servicer = LanguageServicer(engine_thread, config.default_max_new_tokens, embedding_source)
+    servicer = LanguageServicer(engine_thread, embedding_source)
     language_pb2_grpc.add_LanguageServiceServicer_to_server(servicer, server)
     port, health_servicer = start_server(server, config.host, config.port, (SERVICE_NAME,))
-    logger.info("language worker on %s:%d (%s)", config.host, port, engine.device)
+    logger.info("language worker on %s:%d: %s", config.host, port, describe(engine))
     return LanguageServer(server, engine_thread, health_servicer, port, embedding_source)
+
+
+def describe(engine: LanguageEngine) -> str:
+    """The start-up line: where it computes, in which dtypes, and how much it holds."""
+    plan, config = engine.kv_plan, engine.config
+    return (
+        f"device {engine.device}, compute dtype {dtype_name(engine.dtype)}, "
+        f"wire dtype {dtype_name(parse_dtype(config.transfer.dtype))}, "
+        f"KV pool {plan.num_slots} tokens, {plan.pool_bytes / MIB:.0f} MiB, set by {plan.reason}, "
+        f"max_seq_len {engine.max_seq_len}"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,30 +1,47 @@
-"""Thin gRPC servicer: proto <-> engine types, everything else happens in the engine thread."""
+"""Thin gRPC servicer: proto <-> engine types, everything else happens in the engine thread.
+
+A ``Generate`` call blocks on its request's output queue (no polling); the client going away
+(cancel, deadline, disconnect) aborts the request through ``context.add_callback``, and the
+abort's output wakes the call. Errors before the first token end the call with a status:
+``INVALID_ARGUMENT`` (bad sampling, messages or a prompt over ``max_seq_len``, naming the
+field and its bound), ``DEADLINE_EXCEEDED`` (the prompt did not arrive in time),
+``RESOURCE_EXHAUSTED``, ``ALREADY_EXISTS``, ``UNAVAILABLE``; a request that fails while being
+served ends with a chunk whose finish reason is ``ERROR`` and whose ``error`` says why.
+"""
 
 from __future__ import annotations
 
-import queue
+import time
 
 import grpc
 
+from common.transfer.layout import dtype_name, parse_dtype
 from protos.epd.v1 import common_pb2, language_pb2, language_pb2_grpc
-from services.language.engine.request import FinishReason, RequestOutput
+from services.language.engine.request import ErrorKind, RequestOutput
 from services.language.engine.sampling import SamplingParams
 from services.language.engine_thread import (
-    INVALID_REQUEST,
+    DuplicateRequestError,
+    EngineStoppedError,
     EngineThread,
     QueueFullError,
     Submission,
 )
 
-POLL_S = 0.5  # how often a stream waiting for output checks that the client is still there
+NO_DEADLINE_S = 1e9  # gRPC reports "no deadline" as ~2**63 seconds remaining
+STATUS_OF_ERROR = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 
 
-def sampling_from_proto(p: common_pb2.SamplingParams, default_max_new_tokens: int):
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """The proto's unset values (0) mean: the worker's default max_new_tokens, top_p off;
+    top_k -1 is "off" as well, as in other serving APIs."""
     return SamplingParams(
-        max_new_tokens=p.max_new_tokens or default_max_new_tokens,
+        max_new_tokens=p.max_new_tokens or None,
         temperature=p.temperature,
-        top_p=p.top_p if 0 < p.top_p < 1 else 1.0,
-        top_k=p.top_k if p.top_k > 0 else 0,
+        top_p=p.top_p or 1.0,
+        top_k=0 if p.top_k == -1 else p.top_k,
         seed=p.seed if p.HasField("seed") else None,
         stop_token_ids=tuple(p.stop_token_ids),
         stop=tuple(p.stop),
@@ -64,44 +81,64 @@ def chunk_from_output(out: RequestOutput) -> language_pb2.LanguageGenerateChunk:
     return chunk
 
 
+def deadline_of(context) -> float | None:
+    """The call's deadline on the ``time.monotonic`` clock, or None without one."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > NO_DEADLINE_S:
+        return None
+    return time.monotonic() + remaining
+
+
 class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
-    def __init__(self, engine_thread: EngineThread, default_max_new_tokens: int, source=None):
+    def __init__(self, engine_thread: EngineThread, source=None):
         self.engine_thread = engine_thread
-        self.default_max_new_tokens = default_max_new_tokens
         self.source = source
 
     def Generate(self, request, context):
+        sub = self._submission(request, context)
+        try:
+            stream = self.engine_thread.submit(sub)
+        except QueueFullError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except DuplicateRequestError as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except EngineStoppedError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        rid = request.request_id
+        if not context.add_callback(lambda: self.engine_thread.abort(rid, stream)):
+            self.engine_thread.abort(rid, stream)  # the call already ended
+        while True:
+            out = stream.get()
+            if out.error_kind in STATUS_OF_ERROR:
+                context.abort(STATUS_OF_ERROR[out.error_kind], out.error)
+            yield chunk_from_output(out)
+            if out.finished:
+                return
+
+    def _submission(self, request, context) -> Submission:
+        """The request as the engine thread takes it; aborts the call when it is malformed."""
         if not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         try:
-            params = sampling_from_proto(request.sampling, self.default_max_new_tokens)
+            params = sampling_from_proto(request.sampling)
             messages = None if request.room else messages_from_proto(request.messages)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.room and not request.encoder_endpoint:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "room needs encoder_endpoint")
+        if request.room and self.source is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker receives no rooms")
         if not request.room and not messages:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text-only request without messages")
-        sub = Submission(
-            request.request_id, params, messages, None, request.room, request.encoder_endpoint
+        return Submission(
+            request.request_id,
+            params,
+            messages,
+            None,
+            request.room,
+            request.encoder_endpoint,
+            deadline_of(context),
         )
-        try:
-            stream = self.engine_thread.submit(sub)
-        except QueueFullError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        context.add_callback(lambda: self.engine_thread.abort(request.request_id))
-        while True:
-            try:
-                out = stream.get(timeout=POLL_S)
-            except queue.Empty:
-                if not context.is_active():
-                    return
-                continue
-            if out.finish_reason == FinishReason.ERROR and out.error.startswith(INVALID_REQUEST):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, out.error)
-            yield chunk_from_output(out)
-            if out.finished:
-                return
 
     def Abort(self, request, context):
         found = self.engine_thread.is_active(request.request_id)
@@ -113,8 +150,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
 
 
 def load_reply(engine_thread: EngineThread, source=None) -> language_pb2.LanguageLoad:
-    """The worker's ``GetLoad`` reply (also what its heartbeats report)."""
+    """The worker's ``GetLoad`` reply (also what its heartbeats report): its load, the rows it
+    receives (``transfer_layout``) and the longest sequence it takes (``max_seq_len``)."""
     load = engine_thread.load()
+    engine = engine_thread.engine
+    model, transfer = engine.model_config, engine.config.transfer
     blocks = (
         source.block_stats()
         if source is not None
@@ -132,4 +172,11 @@ def load_reply(engine_thread: EngineThread, source=None) -> language_pb2.Languag
         num_used_transfer_blocks=blocks["num_used_blocks"],
         num_lent_transfer_blocks=blocks.get("num_lent_blocks", 0),
         num_rooms_lent=blocks.get("num_rooms_lent", 0),
+        transfer_layout=common_pb2.TransferLayout(
+            hidden_size=model.hidden_size,
+            num_deepstack=model.num_deepstack,
+            dtype=dtype_name(parse_dtype(transfer.dtype)),
+            block_size=transfer.block_size,
+        ),
+        max_seq_len=engine.max_seq_len,
     )

@@ -1,8 +1,7 @@
-"""The language tests' local encoder: PromptInputs built from transformers' own vision tower.
+"""Builders for the language tests: cases with transformers' expected tokens, engines, runs.
 
-Until the encoder service lands, this plays its part: image tokens get a pad id from a hash of
-the image's pixel values, positions come from ``get_rope_index`` and image rows from
-``model.model.visual`` (Qwen3-VL: main row then each deepstack row, along the hidden dim).
+Prompts come from ``services/language/testing.local_encode`` (the encoder's part played
+in-process with transformers' own vision tower), so engine tests need no encoder process.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,16 +28,18 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server(tiny_model_dir, tmp_path_factory):
     model = tiny_model_dir("qwen2_5_vl")
     port = free_port()
     cmd = [sys.executable, "-m", "services.language.server", "--model-path", str(model)]
     env = dict(os.environ, EPD_LANGUAGE_PORT=str(port), EPD_LANGUAGE_NUM_KV_SLOTS="4096")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+    log_path = tmp_path_factory.mktemp("language") / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         grpc.channel_ready_future(channel).result(timeout=60)
-        yield model, channel
+        yield model, channel, log_path
     finally:
         channel.close()
         proc.terminate()
@@ -53,7 +56,7 @@ def text_request(request_id: str, text: str, max_new_tokens: int = 8):
 
 
 def test_health_and_streaming_generate(server):
-    model, channel = server
+    model, channel, _ = server
     health = health_pb2_grpc.HealthStub(channel)
     status = health.Check(health_pb2.HealthCheckRequest(service="epd.v1.LanguageService"))
     assert status.status == health_pb2.HealthCheckResponse.SERVING
@@ -78,7 +81,7 @@ def test_health_and_streaming_generate(server):
 
 
 def test_invalid_arguments(server):
-    _, channel = server
+    _, channel, _ = server
     stub = language_pb2_grpc.LanguageServiceStub(channel)
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(text_request("", "no id")))
@@ -89,7 +92,7 @@ def test_invalid_arguments(server):
 
 
 def test_client_cancel_aborts(server):
-    _, channel = server
+    _, channel, _ = server
     stub = language_pb2_grpc.LanguageServiceStub(channel)
     request = text_request("c1", "a long answer please", max_new_tokens=2000)
     request.sampling.ignore_eos = True
@@ -104,3 +107,76 @@ def test_client_cancel_aborts(server):
         time.sleep(0.05)
     assert load.num_running == 0
     assert load.num_kv_slots_used == load.num_radix_tokens  # only the cache holds slots
+
+
+def generate_error(stub, request) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request, timeout=30))
+    return err.value
+
+
+def test_bad_sampling_is_invalid_argument_naming_the_field(server):
+    _, channel, _ = server
+    stub = language_pb2_grpc.LanguageServiceStub(channel)
+    cases = [
+        ("temperature", float("nan"), "temperature must be a finite number in [0, 100]"),
+        ("temperature", 1e9, "temperature must be a finite number in [0, 100]"),
+        ("top_p", 1.5, "top_p must be a finite number in (0, 1]"),
+        ("top_k", -7, "top_k must be >= 0"),
+    ]
+    for i, (name, value, message) in enumerate(cases):
+        request = text_request(f"bad{i}", "hello")
+        setattr(request.sampling, name, value)
+        err = generate_error(stub, request)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.details()
+    request = text_request("bad-stop", "hello")
+    request.sampling.stop_token_ids.append(-3)
+    err = generate_error(stub, request)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in err.details()
+    # a temperature below 1e-2 is served (clamped), and so is top_k -1 ("off")
+    request = text_request("tiny-t", "hello", 4)
+    request.sampling.temperature, request.sampling.top_k = 1e-30, -1
+    chunks = list(stub.Generate(request, timeout=30))
+    assert chunks[-1].finish_reason in (
+        common_pb2.FINISH_REASON_LENGTH,
+        common_pb2.FINISH_REASON_STOP,
+    )
+
+
+def test_over_max_seq_len_names_both_numbers(server):
+    _, channel, _ = server
+    stub = language_pb2_grpc.LanguageServiceStub(channel)
+    err = generate_error(stub, text_request("long", "too long", max_new_tokens=4090))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.fullmatch(
+        r"prompt is (\d+) tokens and max_new_tokens is 4090: (\d+) exceeds this worker's "
+        r"max_seq_len 4096",
+        err.details(),
+    ), err.details()
+    load = stub.GetLoad(language_pb2.LanguageLoadRequest())
+    assert load.num_waiting == load.num_running == 0
+
+
+def test_load_advertises_layout_and_max_seq_len(server):
+    _, channel, log_path = server
+    stub = language_pb2_grpc.LanguageServiceStub(channel)
+    load = stub.GetLoad(language_pb2.LanguageLoadRequest())
+    assert load.max_seq_len == 4096  # the pool (4096 slots) is below the model's 32768
+    layout = load.transfer_layout
+    assert (layout.hidden_size, layout.num_deepstack) == (128, 0)
+    assert (layout.dtype, layout.block_size) == ("bfloat16", 128)
+    log = log_path.read_text()
+    assert "device cpu, compute dtype float32, wire dtype bfloat16, KV pool 4096 tokens" in log, log
+    assert "max_seq_len 4096" in log
+
+
+def test_duplicate_request_id_in_flight_is_refused(server):
+    _, channel, _ = server
+    stub = language_pb2_grpc.LanguageServiceStub(channel)
+    request = text_request("dup", "a long answer please", max_new_tokens=2000)
+    request.sampling.ignore_eos = True
+    first = stub.Generate(request)
+    next(first)
+    err = generate_error(stub, request)
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "dup" in err.details()
+    first.cancel()

@@ -6,11 +6,22 @@ import numpy as np
 import pytest
 import torch
 
+from services.language.kvcache.key import make_key
 from services.language.kvcache.radix_cache import RadixCache
+
+VOCAB = 400
 
 
 def key(*ids: int) -> np.ndarray:
-    return np.array(ids, dtype=np.int64)
+    """A text key (image key 0 on every token)."""
+    return make_key(ids)
+
+
+def image_key(*tokens: tuple[int, int] | int) -> np.ndarray:
+    """A key from ints (text) and ``(pad id, image key)`` pairs (image tokens)."""
+    fill = [t[0] if isinstance(t, tuple) else t for t in tokens]
+    image = [t[1] if isinstance(t, tuple) else 0 for t in tokens]
+    return make_key(fill, image)
 
 
 def slots(*ids: int) -> torch.Tensor:
@@ -50,11 +61,34 @@ def test_insert_reports_cached_prefix_and_branches():
 
 
 def test_image_pad_ids_keep_different_images_apart():
-    vocab = 400
-    image_a, image_b = vocab + 11, vocab + 99
+    image_a, image_b = (VOCAB + 11, 7), (VOCAB + 99, 8)
     cache = RadixCache()
-    cache.insert(key(1, 2, image_a, image_a, 3), slots(0, 1, 2, 3, 4))
-    assert cache.match_prefix(key(1, 2, image_b, image_b, 3)).num_matched == 2
+    cache.insert(image_key(1, 2, image_a, image_a, 3), slots(0, 1, 2, 3, 4))
+    assert cache.match_prefix(image_key(1, 2, image_b, image_b, 3)).num_matched == 2
+
+
+def test_equal_pad_ids_of_different_images_do_not_match():
+    """Two images whose pad ids collide (30 bits) are still told apart by their image key."""
+    pad = VOCAB + 11
+    cache = RadixCache()
+    cache.insert(image_key(1, 2, (pad, 111), (pad, 111), 3), slots(0, 1, 2, 3, 4))
+    other = cache.match_prefix(image_key(1, 2, (pad, 222), (pad, 222), 3))
+    assert other.num_matched == 2 and other.slots.tolist() == [0, 1]
+    same = cache.match_prefix(image_key(1, 2, (pad, 111), (pad, 111), 3))
+    assert same.num_matched == 5
+    # inserting the other image branches off after the shared text
+    result = cache.insert(image_key(1, 2, (pad, 222), (pad, 222), 5), slots(9, 8, 5, 6, 7))
+    assert result.num_prefix == 2
+    assert cache.size_info() == (8, 0)
+    cache.check_integrity()
+
+
+def test_keys_must_be_records():
+    cache = RadixCache()
+    with pytest.raises(TypeError):
+        cache.match_prefix(np.array([1, 2, 3]))
+    with pytest.raises(TypeError):
+        cache.insert(np.array([1, 2]), slots(0, 1))
 
 
 def test_lock_refs_along_the_path():
@@ -98,11 +132,11 @@ def test_check_integrity_detects_corruption():
     cache = RadixCache()
     cache.insert(key(1, 2), slots(0, 1))
     cache.insert(key(3, 4), slots(2, 3))
-    cache.root.children[3].slots = slots(0, 9)  # slot 0 now held twice
+    cache.root.children[(3, 0)].slots = slots(0, 9)  # slot 0 now held twice
     with pytest.raises(AssertionError):
         cache.check_integrity()
     cache = RadixCache()
     cache.insert(key(1, 2), slots(0, 1))
-    cache.root.children[1].lock_ref = 1  # counters no longer agree
+    cache.root.children[(1, 0)].lock_ref = 1  # counters no longer agree
     with pytest.raises(AssertionError):
         cache.check_integrity()

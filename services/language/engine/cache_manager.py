@@ -41,7 +41,7 @@ class CacheManager:
 
     def admit(self, req: Request) -> None:
         """Match the radix cache and lock the hit; at least one token is left to compute."""
-        key = req.seq_fill_ids().numpy()
+        key = req.radix_key()
         match = self.cache.match_prefix(key[: len(key) - 1])
         self.cache.lock(match.node)
         req.tree_node, req.num_tree = match.node, match.num_matched
@@ -60,7 +60,7 @@ class CacheManager:
         and the request switches to the cache's slots (same K/V values), re-locking the path.
         """
         num = req.num_computed
-        key = req.seq_fill_ids(num).numpy()
+        key = req.radix_key(num)
         result = self.cache.insert(key, req.slots[:num])
         self.allocator.free(req.slots[req.num_tree : result.num_prefix])
         match = self.cache.match_prefix(key)

@@ -1,39 +1,80 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization with stop strings, in O(new tokens) per step.
 
-Text is released only when it is stable: decoding does not end in an incomplete UTF-8 sequence
-(``\ufffd``), and the tail that could still grow into a stop string is held back.
+Decoding the whole output again for every token costs O(n) per step and O(n²) per request.
+Instead each step decodes a short window of tokens, the way serving engines do::
+
+    token_ids: | released ... | prefix_offset .. read_offset | read_offset .. end |
+                                context (already released)     new tokens
+
+    new text = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
+
+The context tokens give the decoder what it needs to render the first new token the way a full
+decode would (a SentencePiece-style leading space, a byte that continues a character). Offsets
+move forward only when the window's text does not end in an incomplete UTF-8 sequence
+(``\\ufffd``); until then the new tokens are held, so a multi-byte character split over tokens is
+released whole. Invariant: the concatenation of everything ``add`` returned equals
+``tokenizer.decode(token_ids, skip_special_tokens=True)`` cut before the first stop string, for
+decoders whose output of a token sequence extends the output of its prefixes (byte-level BPE,
+Metaspace; not tokenizers that rewrite spaces across tokens).
+
+Stop strings: released text never contains the start of a stop string that the next tokens
+could complete; that tail (at most the longest stop string less one character) is held back.
 """
 
 from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
-        self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.text = ""  # full decoded text so far (stop string removed once hit)
-        self.num_sent_chars = 0
-        self.stopped = False
+        self.stopped = False  # a stop string was found; later tokens are ignored
+        self._prefix_offset = 0  # first token of the decode window (context)
+        self._read_offset = 0  # tokens before this one have been decoded into text
+        self._pending = ""  # decoded text not released yet (may start a stop string)
 
     def add(self, token_id: int, final: bool = False) -> str:
         """Append a token; returns the newly released text (all the rest when ``final``)."""
-        if not self.stopped:
-            self.token_ids.append(token_id)
-            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-            search_from = max(0, self.num_sent_chars - self._hold)
-            for s in self.stop:
-                at = text.find(s, search_from)
-                if at >= 0:
-                    text, self.stopped = text[:at], True
-            self.text = text
-        if final or self.stopped:
-            end = len(self.text)
-        else:
-            end = len(self.text.rstrip("\ufffd")) - self._hold
-        if end <= self.num_sent_chars:
+        if self.stopped:
             return ""
-        delta = self.text[self.num_sent_chars : end]
-        self.num_sent_chars = end
-        return delta
+        self.token_ids.append(token_id)
+        self._pending += self._decode_new(force=final)
+        if self.stop:
+            at = self._find_stop()
+            if at >= 0:
+                self._pending, self.stopped = self._pending[:at], True
+        keep = 0 if (final or self.stopped) else self._held_tail_len()
+        cut = len(self._pending) - keep
+        released, self._pending = self._pending[:cut], self._pending[cut:]
+        return released
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _decode_new(self, force: bool) -> str:
+        """Text of the tokens after ``read_offset`` once it is complete (or ``force``)."""
+        ids = self.token_ids
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        text = self._decode(ids[self._prefix_offset :])
+        if len(text) > len(prefix_text) and (force or not text.endswith(REPLACEMENT_CHAR)):
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+            return text[len(prefix_text) :]
+        return ""
+
+    def _find_stop(self) -> int:
+        """Index of the earliest stop string in the pending text, or -1."""
+        found = [at for s in self.stop if (at := self._pending.find(s)) >= 0]
+        return min(found, default=-1)
+
+    def _held_tail_len(self) -> int:
+        """Length of the longest tail of the pending text that begins some stop string."""
+        text = self._pending
+        longest = max((len(s) for s in self.stop), default=1) - 1
+        for n in range(min(longest, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0

@@ -1,46 +1,45 @@
 """``LanguageEngine``: requests in, streamed ``RequestOutput`` s out; one ``step()`` at a time.
 
 Not thread-safe: one thread owns the engine (see ``engine_thread.py``).
+
+Failures stay with the request that caused them: a prompt that does not fit, inputs that cannot
+be gathered, a sampling error or non-finite logits finish that request alone with
+``FinishReason.ERROR``; only an exception from the model forward fails the requests of that
+batch (their K/V may be partly written), and the engine goes on with the next step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from services.language.config import LanguageConfig
 from services.language.engine.cache_manager import CacheManager
 from services.language.engine.detokenizer import IncrementalDetokenizer
-from services.language.engine.model_runner import ModelRunner
-from services.language.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from services.language.engine.intake import Limits, check_inputs
+from services.language.engine.model_runner import ModelRunner, RunResult
+from services.language.engine.outputs import EngineLoad, request_output
+from services.language.engine.request import (
+    ErrorKind,
+    FinishReason,
+    Request,
+    RequestError,
+    RequestOutput,
+    RequestStatus,
+)
 from services.language.engine.sampling import SamplingParams, sample
-from services.language.engine.scheduler import Scheduler, SchedulerOutput
+from services.language.engine.scheduler import Scheduler
+from services.language.image_identity import image_keys
 from services.language.inputs import PromptInputs
 from services.language.kvcache.pool import KVPool, SlotAllocator, slot_bytes
 from services.language.kvcache.radix_cache import RadixCache
+from services.language.kvcache.sizing import plan_kv_pool, resolve_max_seq_len
 from services.language.model.weights import load_text_model
 from services.language.receiving import EmbeddingSource
 
-
-@dataclass(frozen=True)
-class EngineLoad:
-    num_running: int
-    num_waiting: int
-    num_receiving: int
-    num_kv_slots_used: int
-    num_kv_slots_total: int
-    num_radix_hit_tokens: int
-    num_radix_tokens: int
-    num_evicted_tokens: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-
-def _span(start: float, end: float) -> float:
-    """Seconds from ``start`` to ``end``; 0 while either has not happened."""
-    return end - start if start and end else 0.0
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(config: LanguageConfig) -> tuple[torch.device, torch.dtype]:
@@ -58,21 +57,33 @@ class LanguageEngine:
         from transformers import AutoTokenizer
 
         self.config = config
-        self.device, dtype = resolve_device(config)
-        self.model = load_text_model(config.model_path, self.device, dtype)
+        self.device, self.dtype = resolve_device(config)
+        self.model = load_text_model(config.model_path, self.device, self.dtype)
         self.model_config = mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        num_slots = config.num_kv_slots or (config.kv_cache_memory_mb << 20) // slot_bytes(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype
+        per_slot = slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self.kv_plan = plan = plan_kv_pool(config, per_slot, self.device)  # after the weights
+        kv_pool = KVPool(
+            mc.num_layers, plan.num_slots, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
-        kv_pool = KVPool(mc.num_layers, num_slots, mc.num_kv_heads, mc.head_dim, dtype, self.device)
-        self.cache_manager = CacheManager(SlotAllocator(num_slots), RadixCache())
+        self.max_seq_len = resolve_max_seq_len(
+            config.max_seq_len, plan.num_slots, mc.max_position_embeddings
+        )
+        self.limits = Limits(
+            vocab_size=mc.vocab_size,
+            row_width=mc.image_row_width,
+            num_deepstack=mc.num_deepstack,
+            max_seq_len=self.max_seq_len,
+            default_max_new_tokens=config.default_max_new_tokens,
+        )
+        self.cache_manager = CacheManager(SlotAllocator(plan.num_slots), RadixCache())
         self.scheduler = Scheduler(
             self.cache_manager, config.chunk_size, config.max_running_requests
         )
         self.runner = ModelRunner(self.model, kv_pool, self.device)
         self.num_prefill_tokens = 0  # prompt tokens computed, lifetime
         self.num_decode_tokens = 0  # tokens computed while decoding, lifetime
+        self.num_batches = 0  # steps that ran a batch, lifetime
         self.requests: dict[str, Request] = {}
         self.receiving: dict[int, Request] = {}  # room -> request waiting for embeddings
         self.embedding_source = embedding_source  # where rooms' embeddings come from
@@ -93,22 +104,24 @@ class LanguageEngine:
         inputs: PromptInputs | None = None,
         room: int = 0,
         encoder_endpoint: str = "",
+        deadline: float | None = None,
     ) -> None:
         """Queue a request with its inputs, or (``inputs=None``) one whose ``room`` is pulled
-        from the encoder at ``encoder_endpoint`` (the room is added to the embedding source
-        when there is one; tests deliver inputs with ``deliver_inputs``). Raises ValueError for
-        a duplicate id, a missing room or a prompt that can never fit."""
+        from the encoder at ``encoder_endpoint`` until ``deadline`` (``time.monotonic``; the
+        room is added to the embedding source when there is one; tests deliver inputs with
+        ``deliver_inputs``). Raises RequestError (INVALID_ARGUMENT) for a duplicate id, a room
+        in use or missing, or a prompt that does not fit ``max_seq_len``."""
         if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"duplicate request id {request_id!r}")
         req = Request(request_id, params, IncrementalDetokenizer(self.tokenizer, params.stop))
-        req.room = room
+        req.room, req.deadline = room, deadline
         if inputs is None:
             if not room:
-                raise ValueError("a request needs inputs or a room")
+                raise RequestError(ErrorKind.INVALID_ARGUMENT, "a request needs inputs or a room")
             if room in self.receiving:
-                raise ValueError(f"room {room} is already in use")
+                raise RequestError(ErrorKind.INVALID_ARGUMENT, f"room {room} is already in use")
             if self.embedding_source is not None:
-                self.embedding_source.add_room(room, encoder_endpoint)
+                self.embedding_source.add_room(room, encoder_endpoint, deadline)
             req.status = RequestStatus.WAITING_FOR_EMBEDDINGS
             self.receiving[room] = req
         else:
@@ -117,10 +130,24 @@ class LanguageEngine:
         self.requests[request_id] = req
 
     def _set_inputs(self, req: Request, inputs: PromptInputs) -> None:
-        total = len(inputs) + req.params.max_new_tokens
-        if total > self.cache_manager.allocator.num_slots:
-            raise ValueError(f"prompt + max_new_tokens = {total} exceeds the KV pool")
-        req.set_inputs(inputs, self.model_config.vocab_size)
+        max_new_tokens = check_inputs(inputs, req.params, self.limits)
+        keys, problem = image_keys(inputs.fill_ids.numpy(), self.limits.vocab_size, inputs.images)
+        if problem:
+            logger.warning(
+                "request %s: its image tokens get a random radix key and will not be shared (%s)",
+                req.request_id,
+                problem,
+            )
+        req.set_inputs(inputs, self.limits.vocab_size, keys, max_new_tokens)
+
+    def collect_embeddings(self) -> list[RequestOutput]:
+        """Move on the requests whose rooms ended (the embedding source said some did)."""
+        if self.embedding_source is None:
+            return []
+        outputs: list[RequestOutput] = []
+        for room, result in self.embedding_source.pop_done():
+            outputs += self.deliver_inputs(room, result)
+        return outputs
 
     def deliver_inputs(self, room: int, inputs: PromptInputs | Exception) -> list[RequestOutput]:
         """Embeddings of ``room`` arrived (or failed): move its request on."""
@@ -129,16 +156,22 @@ class LanguageEngine:
             self._release_room(room)
             return []
         if isinstance(inputs, Exception):
-            return [self._finish(req, FinishReason.ERROR, error=str(inputs))]
+            past_deadline = req.deadline is not None and time.monotonic() >= req.deadline
+            kind = ErrorKind.DEADLINE_EXCEEDED if past_deadline else ErrorKind.FAILED
+            return [self._fail(req, kind, f"receiving the prompt failed: {inputs}")]
         try:
             self._set_inputs(req, inputs)
-        except ValueError as exc:
-            return [self._finish(req, FinishReason.ERROR, error=str(exc))]
+        except RequestError as exc:
+            return [self._fail(req, exc.kind, str(exc))]
+        except Exception as exc:  # inputs the checks did not foresee: this request only
+            logger.exception("request %s: its prompt could not be taken", req.request_id)
+            return [self._fail(req, ErrorKind.FAILED, f"its prompt could not be taken: {exc}")]
         self.scheduler.add(req)
         return []
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort in any state: frees slots, locks and (via the source) transfer blocks."""
+    def abort(self, request_id: str, error: str = "") -> RequestOutput | None:
+        """Abort in any state: frees slots, locks and (via the source) transfer blocks.
+        With ``error`` the request finishes as failed (``ERROR``) rather than aborted."""
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -146,46 +179,60 @@ class LanguageEngine:
             self.receiving.pop(req.room, None)
             if self.embedding_source is not None:
                 self.embedding_source.abort(req.room)
+            req.room = 0  # nothing was delivered: nothing to release
+        if error:
+            return self._fail(req, ErrorKind.FAILED, error)
         return self._finish(req, FinishReason.ABORT)
 
     # ---- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self.receiving)
+        """Whether a step has requests to work on (queued or running). Requests that wait for
+        their embeddings are not work: ``collect_embeddings`` moves them on when they arrive."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
         """schedule -> run -> postprocess. Returns the outputs produced this step."""
-        outputs = self._poll_embeddings()
         batch = self.scheduler.schedule()
-        if batch.chunks:
-            for chunk in batch.chunks:
-                if chunk.req.status == RequestStatus.DECODE:
-                    self.num_decode_tokens += chunk.end - chunk.start
-                else:
-                    self.num_prefill_tokens += chunk.end - chunk.start
-            logits = self.runner.run(batch.chunks)
-            outputs += self.postprocess(batch, logits)
-        return outputs
-
-    def _poll_embeddings(self) -> list[RequestOutput]:
-        if self.embedding_source is None or not self.receiving:
+        if not batch.chunks:
             return []
-        outputs: list[RequestOutput] = []
-        for room, result in self.embedding_source.pop_done():
-            outputs += self.deliver_inputs(room, result)
-        return outputs
+        self.num_batches += 1
+        try:
+            result = self.runner.run(batch.chunks)
+        except Exception as exc:  # the device or the model: this batch's requests fail
+            logger.exception(
+                "model forward failed; failing the %d requests of its batch", len(batch.chunks)
+            )
+            error = f"model forward failed: {type(exc).__name__}: {exc}"
+            return [self._fail(c.req, ErrorKind.FAILED, error) for c in batch.chunks]
+        for chunk in result.chunks:
+            if chunk.req.status == RequestStatus.DECODE:
+                self.num_decode_tokens += chunk.end - chunk.start
+            else:
+                self.num_prefill_tokens += chunk.end - chunk.start
+        return self.postprocess(result)
 
-    def postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        sampled = [c for c in batch.chunks if c.sample]
-        tokens = sample(logits, [c.req.sampler for c in sampled]) if sampled else []
-        for chunk in batch.chunks:
+    def postprocess(self, result: RunResult) -> list[RequestOutput]:
+        outputs = [
+            self._fail(c.req, ErrorKind.FAILED, f"building its inputs failed: {exc}")
+            for c, exc in result.failed
+        ]
+        sampled = [c for c in result.chunks if c.sample]
+        tokens = sample(result.logits, [c.req.sampler for c in sampled]) if sampled else []
+        for chunk in result.chunks:
             chunk.req.num_computed = chunk.end
-        outputs = []
         for chunk, token in zip(sampled, tokens, strict=True):
             req = chunk.req
-            if req.status == RequestStatus.PREFILL:
-                req.status = RequestStatus.DECODE
-                self.cache_manager.cache_prefix(req)
-            outputs.append(self._append_token(req, token))
+            if isinstance(token, Exception):
+                outputs.append(self._fail(req, ErrorKind.FAILED, f"sampling failed: {token}"))
+                continue
+            try:
+                if req.status == RequestStatus.PREFILL:
+                    req.status = RequestStatus.DECODE
+                    self.cache_manager.cache_prefix(req)
+                outputs.append(self._append_token(req, token))
+            except Exception as exc:  # e.g. the tokenizer rejects the token: this request only
+                logger.exception("request %s failed after sampling", req.request_id)
+                outputs.append(self._fail(req, ErrorKind.FAILED, f"output failed: {exc}"))
         return outputs
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
@@ -198,14 +245,17 @@ class LanguageEngine:
             not p.ignore_eos and token in self.model_config.eos_token_ids
         ):
             reason = FinishReason.STOP
-        elif len(req.output_ids) >= p.max_new_tokens:
+        elif len(req.output_ids) >= req.max_new_tokens:
             reason = FinishReason.LENGTH
         text = req.detokenizer.add(token, final=reason != FinishReason.NONE)
         if req.detokenizer.stopped:
             reason = FinishReason.STOP
         if reason != FinishReason.NONE:
             return self._finish(req, reason, [token], text)
-        return self._output(req, [token], text)
+        return request_output(req, [token], text)
+
+    def _fail(self, req: Request, kind: ErrorKind, error: str) -> RequestOutput:
+        return self._finish(req, FinishReason.ERROR, error=error, error_kind=kind)
 
     def _finish(
         self,
@@ -214,6 +264,7 @@ class LanguageEngine:
         token_ids: list[int] | None = None,
         text: str = "",
         error: str = "",
+        error_kind: ErrorKind = ErrorKind.NONE,
     ) -> RequestOutput:
         if req.status in (RequestStatus.PREFILL, RequestStatus.DECODE) and reason in (
             FinishReason.STOP,
@@ -225,33 +276,12 @@ class LanguageEngine:
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self.requests.pop(req.request_id, None)
         self._release_room(req.room)
-        return self._output(req, token_ids or [], text, error)
+        return request_output(req, token_ids or [], text, error, error_kind)
 
     def _release_room(self, room: int) -> None:
         """Give a delivered room's transfer blocks back (its image rows may be views of them)."""
         if room and self.embedding_source is not None:
             self.embedding_source.release(room)
-
-    def _output(
-        self, req: Request, token_ids: list[int], text: str, error: str = ""
-    ) -> RequestOutput:
-        now = time.monotonic()
-        return RequestOutput(
-            request_id=req.request_id,
-            token_ids=token_ids,
-            text=text,
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=req.prompt_len if req.inputs is not None else 0,
-            num_cached_tokens=req.num_cached_tokens,
-            num_completion_tokens=len(req.output_ids),
-            ttft_s=_span(req.arrival_time, req.first_token_time),
-            total_s=now - req.arrival_time,
-            receive_s=_span(req.arrival_time, req.inputs_time),
-            queue_s=_span(req.inputs_time, req.prefill_start_time),
-            prefill_s=_span(req.prefill_start_time, req.first_token_time),
-            provenance=dict(req.inputs.provenance) if req.inputs is not None else {},
-            error=error,
-        )
 
     def load(self) -> EngineLoad:
         cm = self.cache_manager

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.sampling import SamplerState, SamplingParams
 from services.language.inputs import PromptInputs
+from services.language.kvcache.key import make_key
 
 
 class RequestStatus(IntEnum):
@@ -43,6 +45,23 @@ class FinishReason(IntEnum):
     ERROR = 4
 
 
+class ErrorKind(IntEnum):
+    """Why a request finished with ``FinishReason.ERROR`` (the servicer maps it to gRPC)."""
+
+    NONE = 0
+    INVALID_ARGUMENT = 1  # it cannot be served as sent (bad prompt, longer than max_seq_len)
+    DEADLINE_EXCEEDED = 2  # its deadline passed before its prompt arrived
+    FAILED = 3  # it failed while being served (transfer, inputs, sampling, the model)
+
+
+class RequestError(ValueError):
+    """A request-level failure with its kind; the message names the problem."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 @dataclass
 class RequestOutput:
     """What one step (or an abort) produced for one request; streamed to the caller."""
@@ -61,6 +80,7 @@ class RequestOutput:
     prefill_s: float = 0.0  # admitted to prefill -> first token
     provenance: dict[str, float] = field(default_factory=dict)  # see PromptInputs.provenance
     error: str = ""
+    error_kind: ErrorKind = ErrorKind.NONE
 
     @property
     def finished(self) -> bool:
@@ -74,6 +94,8 @@ class Request:
     detokenizer: IncrementalDetokenizer
     inputs: PromptInputs | None = None  # None while WAITING_FOR_EMBEDDINGS
     room: int = 0  # transfer room (0 = text-only / local inputs)
+    deadline: float | None = None  # the caller's deadline (time.monotonic clock)
+    max_new_tokens: int = 0  # params.max_new_tokens, or the default that fits max_seq_len
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -82,6 +104,7 @@ class Request:
     tree_node: Any = None
     num_cached_tokens: int = 0  # radix hit at first admission (usage report)
     image_row_offsets: torch.Tensor | None = None  # long [L+1]: image rows before token i
+    prompt_key: np.ndarray | None = None  # radix key records of the prompt (see kvcache/key.py)
     sampler: SamplerState | None = None
     finish_reason: FinishReason = FinishReason.NONE
     arrival_time: float = field(default_factory=time.monotonic)
@@ -89,15 +112,16 @@ class Request:
     prefill_start_time: float = 0.0  # first admitted to prefill
     first_token_time: float = 0.0
 
-    def set_inputs(self, inputs: PromptInputs, vocab_size: int) -> None:
+    def set_inputs(
+        self, inputs: PromptInputs, vocab_size: int, image_keys: np.ndarray, max_new_tokens: int
+    ) -> None:
+        """Attach a checked prompt (``engine/intake.py``); ``image_keys`` [L] is each token's
+        image key (0 for text)."""
         self.inputs = inputs
+        self.max_new_tokens = max_new_tokens
         is_image = (inputs.fill_ids >= vocab_size).long()
         self.image_row_offsets = torch.cat([torch.zeros(1, dtype=torch.long), is_image.cumsum(0)])
-        if int(self.image_row_offsets[-1]) != inputs.image_rows.shape[0]:
-            raise ValueError(
-                f"{int(self.image_row_offsets[-1])} image tokens but "
-                f"{inputs.image_rows.shape[0]} image rows"
-            )
+        self.prompt_key = make_key(inputs.fill_ids.numpy(), image_keys)
         self.sampler = SamplerState.create(self.params)
         self.inputs_time = time.monotonic()
 
@@ -116,6 +140,14 @@ class Request:
         if end > self.prompt_len:
             ids = torch.cat([ids, torch.tensor(self.output_ids, dtype=torch.long)])
         return ids[:end]
+
+    def radix_key(self, end: int | None = None) -> np.ndarray:
+        """Radix key records of tokens ``[0, end)``: the prompt's, then the generated tokens'."""
+        end = self.seq_len if end is None else end
+        if end <= self.prompt_len:
+            return self.prompt_key[:end]
+        generated = make_key(self.output_ids[: end - self.prompt_len])
+        return np.concatenate([self.prompt_key, generated])
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions [3, end - start]; generated tokens: index + delta on all axes."""

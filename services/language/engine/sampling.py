@@ -1,28 +1,57 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seed)."""
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seed).
+
+``SamplingParams`` refuses values the sampler cannot use (a ValueError naming the field and its
+bound), so a bad request is turned away at admission instead of failing inside a batch. The
+sampler itself isolates rows: ``sample`` returns, per row, either a token or the exception that
+row raised, and a row whose logits are not finite is an error for that request alone.
+
+NOTE: temperatures in (0, ``MIN_TEMPERATURE``) are sampled at ``MIN_TEMPERATURE``: dividing
+logits by a tiny temperature overflows float32 to inf (and softmax to NaN); at 1e-2 the
+distribution is already as good as greedy for any realistic logit gap.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 1e-2  # sampling temperatures below this are clamped up to it
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # 1 = off
-    top_k: int = 0  # 0 or -1 = off
+    """One request's sampling settings.
+
+    ``max_new_tokens`` None means the worker's default, shortened to fit ``max_seq_len``.
+    """
+
+    max_new_tokens: int | None = 16
+    temperature: float = 0.0  # 0 = greedy; finite, in [0, 100]
+    top_p: float = 1.0  # 1 = off; finite, in (0, 1]
+    top_k: int = 0  # 0 = off
     seed: int | None = None  # reproducible sampling when set
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, cut from the output
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(
+                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], "
+                f"got {self.temperature}"
+            )
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be a finite number in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        bad = [t for t in self.stop_token_ids if t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be >= 0, got {bad[0]}")
 
 
 @dataclass
@@ -39,18 +68,12 @@ class SamplerState:
             gen = torch.Generator().manual_seed(int(params.seed) & (2**63 - 1))
         return cls(params, gen)
 
-
-def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
-    """One token per row of ``logits`` [S, vocab]."""
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
-    for row, state, best in zip(logits, states, greedy, strict=True):
-        p = state.params
+    def sample(self, row: torch.Tensor) -> int:
+        """One token from ``row`` [vocab] (float32, CPU, finite)."""
+        p = self.params
         if p.temperature == 0:
-            out.append(int(best))
-            continue
-        row = row.cpu() / p.temperature
+            return int(row.argmax())
+        row = row / max(p.temperature, MIN_TEMPERATURE)
         if 0 < p.top_k < row.shape[0]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -61,5 +84,31 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
             drop = cumulative - sorted_probs > p.top_p  # keep the smallest set reaching top_p
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        out.append(int(torch.multinomial(probs, 1, generator=state.generator)))
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model produced NaN or infinite logits for one request (e.g. from its image rows)."""
+
+
+def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int | Exception]:
+    """One token per row of ``logits`` [S, vocab], or the exception that row raised.
+
+    A row's failure (non-finite logits, a sampler error) is that request's alone: the other
+    rows are sampled as usual.
+    """
+    logits = logits.float().cpu()
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    greedy = logits.argmax(dim=-1).tolist()  # one call for every greedy row
+    out: list[int | Exception] = []
+    for row, state, ok, best in zip(logits, states, finite, greedy, strict=True):
+        if not ok:
+            out.append(NonFiniteLogitsError("the model produced non-finite logits (NaN or inf)"))
+        elif state.params.temperature == 0:
+            out.append(int(best))
+        else:
+            try:
+                out.append(state.sample(row))
+            except Exception as exc:  # isolated to this request
+                out.append(exc)
     return out

@@ -1,7 +1,9 @@
 """The prefix-cache contract the scheduler relies on.
 
-A prefix cache maps token-key sequences (fill ids: image tokens carry their image's hashed pad
-id) to the KV slots that hold their K/V. Invariants every implementation keeps:
+A prefix cache maps token-key sequences to the KV slots that hold their K/V. A key is an array
+of ``kvcache/key.py`` records, ``(fill_id, image_key)`` per token: text tokens carry their id and
+0, image tokens their image's pad id and 64 bits of its content hash, so a prefix through an
+image is shared only with the same image. Invariants every implementation keeps:
 
 * Every slot it holds is owned by it alone: the caller never frees a slot it gave the cache,
   and the cache returns slots to the caller only from ``evict``.

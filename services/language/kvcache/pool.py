@@ -2,10 +2,18 @@
 
 A *slot* holds the K/V of one token in every layer. Requests and the radix cache refer to
 tokens by slot index; the pool itself knows nothing about who owns which slot.
+
+NOTE: the pool is allocated with ``torch.empty``: a slot is always written (its token's K/V)
+before anything reads it, and attention pads with a slot of the same request, never an unused
+one. On CPU the pages of an empty tensor are committed only when first written, so a pool sized
+from free memory costs nothing until it is used; the allocator hands out never-used slots in
+ascending order and reuses freed ones first (LIFO), so the touched part stays as small as the
+peak number of slots in use (radix cache included).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -28,40 +36,54 @@ class KVPool:
     ) -> None:
         shape = (num_slots, num_kv_heads, head_dim)
         self.num_slots = num_slots
-        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k[layer_id], self._v[layer_id]
 
 
 class SlotAllocator:
-    """Free list of slot ids. Invariant: every slot is either free here or owned elsewhere
-    (a request or the radix cache), never both; ``free`` of a free slot raises."""
+    """Free slot ids. Invariant: every slot is either free here or owned elsewhere (a request or
+    the radix cache), never both; ``free`` of a free slot raises.
+
+    Free slots are the freed ones (a stack, most recent on top) and the never-used ones
+    (``num_fresh`` of them, from ``num_slots - num_fresh`` up). Both arrays are zero-filled or
+    empty at start, so their memory too is committed only as slots are used.
+    """
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low ids first
-        self._is_free = torch.ones(num_slots, dtype=torch.bool)
+        self._stack = np.empty(num_slots, dtype=np.int64)  # freed slots, [0, _num_stacked)
+        self._num_stacked = 0
+        self._num_fresh = num_slots
+        self._in_use = np.zeros(num_slots, dtype=bool)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_stacked + self._num_fresh
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """``num_tokens`` slot ids (long, CPU), or None when not enough are free."""
-        if num_tokens > len(self._free):
+        if num_tokens > self.num_free:
             return None
-        ids = [self._free.pop() for _ in range(num_tokens)]
-        out = torch.tensor(ids, dtype=torch.long)
-        self._is_free[out] = False
-        return out
+        from_stack = min(num_tokens, self._num_stacked)
+        top = self._num_stacked
+        reused = self._stack[top - from_stack : top][::-1]
+        self._num_stacked -= from_stack
+        first_fresh = self.num_slots - self._num_fresh
+        fresh = np.arange(first_fresh, first_fresh + num_tokens - from_stack, dtype=np.int64)
+        self._num_fresh -= fresh.shape[0]
+        ids = np.concatenate([reused, fresh])
+        self._in_use[ids] = True
+        return torch.from_numpy(ids)
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
-        slots = slots.cpu()
-        if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
+        ids = slots.cpu().numpy().astype(np.int64, copy=False)
+        if not self._in_use[ids].all() or np.unique(ids).shape[0] != ids.shape[0]:
             raise RuntimeError("double free of KV slots")
-        self._is_free[slots] = True
-        self._free.extend(slots.tolist())
+        self._in_use[ids] = False
+        self._stack[self._num_stacked : self._num_stacked + ids.shape[0]] = ids
+        self._num_stacked += ids.shape[0]

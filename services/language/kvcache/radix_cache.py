@@ -1,9 +1,11 @@
-"""Radix tree over fill-id sequences whose nodes hold KV slot indices.
+"""Radix tree over token-key sequences whose nodes hold KV slot indices.
 
-Each edge (node) stores a run of keys and the slots of those tokens; children are indexed by the
-first key of their run. Locks are counted per node along the path (``lock_ref``), so a node is
-protected exactly when some locked handle lies at or below it. Eviction removes unlocked
-leaves in least-recently-used order (access time = a counter bumped on match and insert).
+Keys are ``kvcache/key.py`` records, ``(fill_id, image_key)`` per token, so image tokens match
+only the same image (pad id and 64-bit content hash). Each edge (node) stores a run of records
+and the slots of those tokens; children are indexed by the label of their run's first record.
+Locks are counted per node along the path (``lock_ref``), so a node is protected exactly when
+some locked handle lies at or below it. Eviction removes unlocked leaves in least-recently-used
+order (access time = a counter bumped on match and insert).
 """
 
 from __future__ import annotations
@@ -14,15 +16,16 @@ import numpy as np
 import torch
 
 from services.language.kvcache.base import BasePrefixCache, InsertResult, MatchResult, SizeInfo
+from services.language.kvcache.key import KEY_DTYPE, check_key, common_prefix_len, edge_label
 
 
 class RadixNode:
     __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_access")
 
     def __init__(self, key: np.ndarray, slots: torch.Tensor, parent: RadixNode | None) -> None:
-        self.key = key  # int64 [n]
+        self.key = key  # KEY_DTYPE [n]
         self.slots = slots  # long [n]
-        self.children: dict[int, RadixNode] = {}
+        self.children: dict[tuple[int, int], RadixNode] = {}
         self.parent = parent
         self.lock_ref = 0
         self.last_access = 0
@@ -34,15 +37,9 @@ class RadixNode:
         return self.last_access < other.last_access
 
 
-def _common_len(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.shape[0], b.shape[0])
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
 class RadixCache(BasePrefixCache):
     def __init__(self) -> None:
-        self.root = RadixNode(np.zeros(0, np.int64), torch.zeros(0, dtype=torch.long), None)
+        self.root = RadixNode(np.zeros(0, KEY_DTYPE), torch.zeros(0, dtype=torch.long), None)
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
         self._evictable = 0
@@ -56,17 +53,17 @@ class RadixCache(BasePrefixCache):
         """Cut ``node`` after ``at`` keys; returns the new upper half (same lock_ref)."""
         upper = RadixNode(node.key[:at], node.slots[:at], node.parent)
         upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
-        node.parent.children[int(node.key[0])] = upper
+        node.parent.children[edge_label(node.key[0])] = upper
         node.key, node.slots, node.parent = node.key[at:], node.slots[at:], upper
-        upper.children[int(node.key[0])] = node
+        upper.children[edge_label(node.key[0])] = node
         return upper
 
     def _walk(self, key: np.ndarray) -> tuple[RadixNode, int, list[torch.Tensor]]:
         node, pos, parts = self.root, 0, []
         self._touch(node)
-        while pos < key.shape[0] and int(key[pos]) in node.children:
-            child = node.children[int(key[pos])]
-            n = _common_len(child.key, key[pos:])
+        while pos < key.shape[0] and edge_label(key[pos]) in node.children:
+            child = node.children[edge_label(key[pos])]
+            n = common_prefix_len(child.key, key[pos:])
             if n < len(child):
                 child = self._split(child, n)
             node, pos = child, pos + n
@@ -75,19 +72,17 @@ class RadixCache(BasePrefixCache):
         return node, pos, parts
 
     def match_prefix(self, key: np.ndarray) -> MatchResult:
-        key = np.asarray(key, dtype=np.int64)
-        node, pos, parts = self._walk(key)
+        node, pos, parts = self._walk(check_key(key))
         slots = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
         return MatchResult(pos, slots, node)
 
     def insert(self, key: np.ndarray, slots: torch.Tensor) -> InsertResult:
-        key = np.asarray(key, dtype=np.int64)
-        if key.shape[0] != slots.shape[0]:
+        if check_key(key).shape[0] != slots.shape[0]:
             raise ValueError("key and slots differ in length")
         node, pos, _ = self._walk(key)
         if pos < key.shape[0]:
             leaf = RadixNode(key[pos:].copy(), slots[pos:].clone(), node)
-            node.children[int(key[pos])] = leaf
+            node.children[edge_label(key[pos])] = leaf
             self._touch(leaf)
             self._evictable += len(leaf)
             node = leaf
@@ -119,7 +114,7 @@ class RadixCache(BasePrefixCache):
         while leaves and num_freed < num_tokens:
             leaf = heapq.heappop(leaves)
             parent = leaf.parent
-            del parent.children[int(leaf.key[0])]
+            del parent.children[edge_label(leaf.key[0])]
             freed.append(leaf.slots)
             num_freed += len(leaf)
             self._evictable -= len(leaf)
@@ -143,7 +138,8 @@ class RadixCache(BasePrefixCache):
         seen: list[torch.Tensor] = []
         for node in self._nodes():
             assert len(node) > 0 and node.slots.shape[0] == len(node), "empty or ragged node"
-            assert node.parent.children.get(int(node.key[0])) is node, "child index broken"
+            assert node.key.dtype == KEY_DTYPE, "key records of the wrong type"
+            assert node.parent.children.get(edge_label(node.key[0])) is node, "child index broken"
             assert node.lock_ref >= 0, "negative lock_ref"
             child_locks = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= child_locks, "lock_ref below the sum of its children's"

@@ -30,6 +30,7 @@ class TextModelConfig:
     tie_word_embeddings: bool
     num_deepstack: int  # Qwen3-VL: extra image rows added after the first layers
     eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int = 0  # the context the model was trained for (0 = unknown)
 
     @property
     def image_row_width(self) -> int:
@@ -74,6 +75,7 @@ class TextModelConfig:
             tie_word_embeddings=bool(tie),
             num_deepstack=len(vision.get("deepstack_visual_indexes") or []) if qwen3 else 0,
             eos_token_ids=tuple(sorted(eos)),
+            max_position_embeddings=int(text.get("max_position_embeddings") or 0),
         )
 
 

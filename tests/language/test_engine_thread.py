@@ -1,0 +1,156 @@
+"""The engine thread sleeps while its only work is waiting for embeddings, and wakes on arrival.
+
+The embedding source here is a test double (``FakeSource``) whose rooms the test completes by
+hand; the real receiver, in real processes, is in ``tests/e2e/test_language_idle.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from services.language.engine.request import ErrorKind, FinishReason
+from services.language.engine.sampling import SamplingParams
+from services.language.engine_thread import (
+    SHUTDOWN_ERROR,
+    DuplicateRequestError,
+    EngineStoppedError,
+    EngineThread,
+    Submission,
+)
+from tests.language.conftest import make_image
+
+WAIT_S = 1.5
+
+
+class FakeSource:
+    """Rooms finish when the test says so; ``listen`` is called the way the receiver would."""
+
+    def __init__(self) -> None:
+        self.on_ready = None
+        self.added: dict[int, tuple[str, float | None]] = {}
+        self.done: list = []
+        self.aborted: list[int] = []
+        self.released: list[int] = []
+        self._lock = threading.Lock()
+
+    def listen(self, on_ready) -> None:
+        self.on_ready = on_ready
+
+    def add_room(self, room, encoder_endpoint, deadline=None) -> None:
+        self.added[room] = (encoder_endpoint, deadline)
+
+    def finish(self, room, result) -> None:
+        with self._lock:
+            self.done.append((room, result))
+        self.on_ready()
+
+    def pop_done(self):
+        with self._lock:
+            done, self.done = self.done, []
+        return done
+
+    def abort(self, room) -> None:
+        self.aborted.append(room)
+
+    def release(self, room) -> None:
+        self.released.append(room)
+
+    def block_stats(self) -> dict:
+        return {"num_free_blocks": 0, "num_used_blocks": 0}
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds the thread has used (utime + stime of its /proc task)."""
+    fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture
+def setup(harness):
+    h = harness("qwen2_5_vl")
+    source = FakeSource()
+    engine = h.engine()
+    engine.embedding_source = source
+    thread = EngineThread(engine, max_waiting=8)
+    thread.start()
+    yield h, source, thread
+    thread.stop()
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def collect(stream, timeout_s: float = 60.0) -> list:
+    outs = []
+    while not outs or not outs[-1].finished:
+        outs.append(stream.get(timeout=timeout_s))
+    return outs
+
+
+def test_waiting_for_embeddings_costs_no_cpu_and_arrival_wakes(setup):
+    h, source, thread = setup
+    case = h.case("what is this", [make_image(64, 48, 5)], 8)
+    deadline = time.monotonic() + 60
+    stream = thread.submit(
+        Submission(
+            "r1",
+            SamplingParams(max_new_tokens=8),
+            room=42,
+            encoder_endpoint="tcp://x",
+            deadline=deadline,
+        )  # fmt: skip
+    )
+    wait_until(lambda: 42 in source.added)
+    assert source.added[42] == ("tcp://x", deadline)  # the caller's deadline reaches the room
+    cpu_before = thread_cpu_s(thread._thread)
+    time.sleep(WAIT_S)
+    cpu_used = thread_cpu_s(thread._thread) - cpu_before
+    assert cpu_used < 0.05 * WAIT_S, f"engine thread used {cpu_used:.3f}s CPU while idle"
+    assert thread.load().num_receiving == 1 and stream.empty()
+    source.finish(42, case.inputs)
+    outs = collect(stream)
+    assert [t for o in outs for t in o.token_ids] == case.expected
+    assert source.released == [42]
+
+
+def test_a_failed_room_wakes_and_finishes_its_request(setup):
+    _, source, thread = setup
+    stream = thread.submit(Submission("r2", SamplingParams(), room=7, encoder_endpoint="e"))
+    wait_until(lambda: 7 in source.added)
+    source.finish(7, RuntimeError("room 7: sender_dead: e silent"))
+    [out] = collect(stream)
+    assert out.finish_reason == FinishReason.ERROR and "sender_dead" in out.error
+    assert out.error_kind == ErrorKind.FAILED
+
+
+def test_abort_wakes_a_waiting_request_and_frees_its_room(setup):
+    _, source, thread = setup
+    stream = thread.submit(Submission("r3", SamplingParams(), room=8, encoder_endpoint="e"))
+    wait_until(lambda: 8 in source.added)
+    thread.abort("r3", stream)
+    [out] = collect(stream)
+    assert out.finish_reason == FinishReason.ABORT and source.aborted == [8]
+    assert not thread.is_active("r3")
+
+
+def test_duplicates_are_refused_and_stop_finishes_every_request(setup):
+    _, source, thread = setup
+    stream = thread.submit(Submission("r4", SamplingParams(), room=9, encoder_endpoint="e"))
+    with pytest.raises(DuplicateRequestError):
+        thread.submit(Submission("r4", SamplingParams(), room=10, encoder_endpoint="e"))
+    wait_until(lambda: 9 in source.added)
+    thread.stop()
+    [out] = collect(stream, timeout_s=5)
+    assert out.finish_reason == FinishReason.ERROR and out.error == SHUTDOWN_ERROR
+    assert source.aborted == [9]
+    with pytest.raises(EngineStoppedError):
+        thread.submit(Submission("r5", SamplingParams(), room=11, encoder_endpoint="e"))

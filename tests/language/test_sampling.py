@@ -1,0 +1,77 @@
+"""SamplingParams' bounds and the sampler's per-row isolation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.language.engine.sampling import (
+    NonFiniteLogitsError,
+    SamplerState,
+    SamplingParams,
+    sample,
+)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "bound"),
+    [
+        (dict(temperature=math.nan), "temperature", "[0, 100]"),
+        (dict(temperature=math.inf), "temperature", "[0, 100]"),
+        (dict(temperature=-0.5), "temperature", "[0, 100]"),
+        (dict(temperature=100.5), "temperature", "[0, 100]"),
+        (dict(top_p=0.0), "top_p", "(0, 1]"),
+        (dict(top_p=1.5), "top_p", "(0, 1]"),
+        (dict(top_p=math.nan), "top_p", "(0, 1]"),
+        (dict(top_k=-1), "top_k", ">= 0"),
+        (dict(max_new_tokens=0), "max_new_tokens", ">= 1"),
+        (dict(stop_token_ids=(3, -2)), "stop_token_ids", ">= 0"),
+    ],
+)
+def test_out_of_range_values_are_refused_naming_field_and_bound(kwargs, field, bound):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert field in str(err.value) and bound in str(err.value)
+
+
+def test_bounds_themselves_are_accepted():
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=1)
+    SamplingParams(temperature=100.0, top_p=1e-6, top_k=5, max_new_tokens=None)
+
+
+def test_tiny_temperature_is_clamped_not_overflowed():
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(0)) * 30
+    for temperature in (1e-45, 1e-30, 1e-5):
+        state = SamplerState.create(SamplingParams(temperature=temperature, seed=1))
+        [token] = sample(logits, [state])
+        assert isinstance(token, int) and 0 <= token < 500
+    # at 1e-2 a gap of >= 1 between the two best logits leaves the best one certain
+    state = SamplerState.create(SamplingParams(temperature=1e-45, seed=2))
+    peaked = torch.zeros(1, 500)
+    peaked[0, 123] = 5.0
+    assert sample(peaked, [state]) == [123]
+
+
+def test_a_bad_row_fails_alone():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    logits[1, 7] = math.nan
+    states = [SamplerState.create(SamplingParams()) for _ in range(3)]
+    out = sample(logits, states)
+    assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+    assert isinstance(out[1], NonFiniteLogitsError)
+
+
+def test_a_raising_sampler_fails_its_row_alone():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(2))
+    good = SamplerState.create(SamplingParams(temperature=0.7, seed=5))
+    bad = SamplerState.create(SamplingParams(temperature=0.7, seed=5))
+
+    def broken(row):
+        raise RuntimeError("sampler broke")
+
+    bad.sample = broken
+    out = sample(logits, [bad, good])
+    assert isinstance(out[0], RuntimeError) and "sampler broke" in str(out[0])
+    assert isinstance(out[1], int)
