@@ -8,7 +8,9 @@ checked at most once per ``recheck_s``: a rotated key takes effect without a res
 Invariants: a ``SecretFile`` always holds at least one secret. A file missing or empty at
 construction is a ``ValueError`` naming it (a start-up error); one that later becomes unreadable
 or empty keeps the last good secrets (and says so once in the log), so a half-written update
-never locks every caller out.
+never locks every caller out. A file that still holds the deployment's placeholder
+(``REPLACE-ME``, as shipped in ``deploy/k8s``) is refused like an empty one: a service never
+runs with a secret that is published in this repository.
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 RECHECK_S = 1.0
+PLACEHOLDER = "REPLACE-ME"
+
+
+def check_not_placeholder(path: str | Path, text: str) -> None:
+    """``ValueError`` when ``text`` (the content of ``path``) is an unfilled placeholder."""
+    if PLACEHOLDER in text:
+        raise ValueError(
+            f"{path} still holds the {PLACEHOLDER} placeholder: put the real secret there "
+            "(docs/security.md)"
+        )
 
 
 def read_secret_lines(path: str | Path) -> tuple[str, ...]:
@@ -30,6 +42,7 @@ def read_secret_lines(path: str | Path) -> tuple[str, ...]:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read secret file {path}: {exc}") from None
+    check_not_placeholder(path, text)
     stripped = (line.strip() for line in text.splitlines())
     lines = tuple(line for line in stripped if line and not line.startswith("#"))
     if not lines:

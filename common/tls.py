@@ -28,6 +28,8 @@ from pathlib import Path
 
 import grpc
 
+from common.secret_files import check_not_placeholder
+
 log = logging.getLogger(__name__)
 
 
@@ -37,6 +39,7 @@ def read_pem(path: str, what: str) -> bytes:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise ValueError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    check_not_placeholder(path, data.decode("utf-8", "replace"))
     if b"-----BEGIN " not in data:
         raise ValueError(f"{what} {path} is not a PEM file")
     return data

@@ -34,7 +34,9 @@ def test_secret_lines_skip_blanks_and_comments(tmp_path: Path) -> None:
     assert read_secret_lines(path) == ("key-one", "key-two")
 
 
-@pytest.mark.parametrize("content", [None, "", "# only a comment\n\n"])
+@pytest.mark.parametrize(
+    "content", [None, "", "# only a comment\n\n", "REPLACE-ME: one API key per line\n"]
+)
 def test_a_missing_or_empty_secret_file_is_an_error_naming_it(tmp_path: Path, content) -> None:
     path = tmp_path / "token"
     if content is not None:

@@ -116,6 +116,10 @@ def test_bad_tls_files_are_start_up_errors_naming_them(pki, tmp_path: Path) -> N
         ServerTLS(str(not_pem), server.key)
     with pytest.raises(ValueError, match="cannot read CA file /nonexistent/ca.crt"):
         ServerTLS(server.cert, server.key, "/nonexistent/ca.crt")
+    placeholder = tmp_path / "tls.crt"
+    placeholder.write_text("REPLACE-ME: the PEM certificate chain\n")
+    with pytest.raises(ValueError, match=f"{placeholder} still holds the REPLACE-ME placeholder"):
+        ServerTLS(str(placeholder), server.key)
     with pytest.raises(ValueError, match="needs both"):
         ClientTLS(pki["ca"].cert, cert_file=client.cert)
     with pytest.raises(ValueError, match="CA file"):
