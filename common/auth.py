@@ -39,8 +39,9 @@ class BearerKeys:
     def __init__(self, static: Iterable[str] = (), file: SecretFile | None = None) -> None:
         self._static = tuple(_digest(s.strip()) for s in static if s.strip())
         self._file = file
-        self._file_values: tuple[str, ...] = ()
-        self._file_digests: tuple[bytes, ...] = ()
+        # (the file's secrets, their digests), replaced as one object: readers on other threads
+        # never pair one reading's secrets with another's digests
+        self._hashed: tuple[tuple[str, ...], tuple[bytes, ...]] = ((), ())
         if not self._static and file is None:
             raise ValueError("BearerKeys needs at least one secret")
 
@@ -48,10 +49,11 @@ class BearerKeys:
         if self._file is None:
             return self._static
         values = self._file.values()
-        if values is not self._file_values:  # re-hash only when the file was re-read
-            self._file_digests = tuple(_digest(v) for v in values)
-            self._file_values = values
-        return self._static + self._file_digests
+        hashed = self._hashed
+        if values is not hashed[0]:  # re-hash only when the file was re-read
+            hashed = (values, tuple(_digest(v) for v in values))
+            self._hashed = hashed
+        return self._static + hashed[1]
 
     def check(self, presented: str) -> bool:
         """True when ``presented`` is one of the accepted secrets (constant time)."""
