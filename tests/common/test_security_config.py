@@ -4,6 +4,8 @@ are validated when the config is built, with messages that name the setting or t
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,27 @@ def test_bad_gateway_surfaces(kwargs, message) -> None:
         return
     with pytest.raises(ValueError, match=message):
         GatewayConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--api-keys-file", "/nonexistent/keys"], "/nonexistent/keys"),
+        (["--internal-token-file", "PLACEHOLDER"], "REPLACE-ME placeholder"),
+        (["--tls-cert-file", "CERT", "--tls-key-file", "KEY"], "do not form a pair"),
+    ],
+)
+def test_bad_credentials_are_one_line_start_up_errors(pki, tmp_path: Path, args, names) -> None:
+    ca, node, _ = pki
+    placeholder = write_secret(tmp_path / "token", "REPLACE-ME: the internal token")
+    swap = {"PLACEHOLDER": placeholder, "CERT": node.cert, "KEY": ca.key}
+    argv = [swap.get(a, a) for a in args]
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "gateway", "--port", "0",
+         "--registry-port", "0", *argv],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("epd serve: error: "), proc.stderr
+    assert names in lines[0]
