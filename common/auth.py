@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
@@ -85,11 +85,17 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
     """Refuses calls without a valid bearer secret (``what`` names it in the error)."""
 
     def __init__(
-        self, keys: BearerKeys, what: str, open_services: Iterable[str] = (HEALTH_SERVICE,)
+        self,
+        keys: BearerKeys,
+        what: str,
+        open_services: Iterable[str] = (HEALTH_SERVICE,),
+        on_refuse: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_refuse(method)`` is called for every refused call (e.g. to count it)."""
         self._keys = keys
         self._what = what
         self._open = frozenset(open_services)
+        self._on_refuse = on_refuse
 
     def problem(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         """Why a call with ``metadata`` is refused, or None when it is authenticated."""
@@ -109,4 +115,6 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if problem is None or handler is None:
             return handler
+        if self._on_refuse is not None:
+            self._on_refuse(handler_call_details.method)
         return with_behavior(handler, refusing(grpc.StatusCode.UNAUTHENTICATED, problem))

@@ -103,13 +103,22 @@ class GatewayServer:
         self.registry.close()
 
 
-def public_security(config: GatewayConfig) -> ServerSecurity | None:
-    """TLS and/or API keys on the public port, as configured (None: plaintext, open)."""
+def public_security(
+    config: GatewayConfig, metrics: GatewayMetrics | None = None
+) -> ServerSecurity | None:
+    """TLS and/or API keys on the public port, as configured (None: plaintext, open). Requests
+    refused for want of a key count under ``UNAUTHENTICATED`` in ``metrics``."""
     tls = ServerTLS(config.tls_cert_file, config.tls_key_file) if config.tls_cert_file else None
     auth = None
     if config.requires_api_key:
         keys_file = SecretFile(config.api_keys_file) if config.api_keys_file else None
-        auth = BearerAuthInterceptor(BearerKeys(config.api_keys, keys_file), "API key")
+
+        def count(method: str) -> None:
+            if metrics is not None and method in LONG_METHODS:
+                metrics.requests.labels("UNAUTHENTICATED").inc()
+
+        keys = BearerKeys(config.api_keys, keys_file)
+        auth = BearerAuthInterceptor(keys, "API key", on_refuse=count)
     return ServerSecurity(tls=tls, auth=auth) if tls or auth else None
 
 
@@ -155,7 +164,7 @@ def serve(config: GatewayConfig) -> GatewayServer:
         who="gateway",
         on_reject=lambda _method: metrics.requests.labels("RESOURCE_EXHAUSTED").inc(),
     )
-    security = public_security(config)
+    security = public_security(config, metrics)
     server = create_server("epd-gateway", config.max_message_mb, capacity, security)
     gateway_pb2_grpc.add_GatewayServicer_to_server(
         GatewayServicer(config, admission, orchestrator, registry, metrics), server
