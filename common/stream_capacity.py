@@ -37,6 +37,7 @@ class StreamCapacity:
     reserve: int = RESERVE_THREADS  # pool threads beyond max_streams, for the short calls
     who: str = "server"  # names the server in the RESOURCE_EXHAUSTED message
     on_reject: Callable[[str], None] | None = None  # called with the method of a refused call
+    message: str = ""  # the RESOURCE_EXHAUSTED message ("" = "<who> at its stream capacity N")
 
     def __post_init__(self) -> None:
         if self.max_streams < 0 or self.reserve < 1:
@@ -50,6 +51,11 @@ class StreamCapacity:
     @property
     def num_threads(self) -> int:
         return self.max_streams + self.reserve
+
+    @property
+    def refusal(self) -> str:
+        default = f"{self.who} at its stream capacity {self.max_streams}: retry later or elsewhere"
+        return self.message or default
 
 
 class StreamCapacityInterceptor(grpc.ServerInterceptor):
@@ -78,11 +84,7 @@ class StreamCapacityInterceptor(grpc.ServerInterceptor):
     def _refuse(self, method: str, context: grpc.ServicerContext) -> None:
         if self._capacity.on_reject is not None:
             self._capacity.on_reject(method)
-        cap = self._capacity
-        context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"{cap.who} at its stream capacity {cap.max_streams}: retry later or elsewhere",
-        )
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._capacity.refusal)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)

@@ -158,11 +158,13 @@ def serve(config: GatewayConfig) -> GatewayServer:
         create_policy(config.language_policy, Role.LANGUAGE, config.affinity_slack),
         metrics,
     )
+    # The admission bound is the stream bound: the same refusal, whichever sees it first.
     capacity = StreamCapacity(
         config.max_queued,
         LONG_METHODS,
         who="gateway",
         on_reject=lambda _method: metrics.requests.labels("RESOURCE_EXHAUSTED").inc(),
+        message=f"gateway queue is full ({config.max_queued} requests in flight)",
     )
     security = public_security(config, metrics)
     server = create_server("epd-gateway", config.max_message_mb, capacity, security)

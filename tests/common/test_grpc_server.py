@@ -153,3 +153,6 @@ def test_capacity_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="reserve >= 1"):
         StreamCapacity(4, reserve=0)
     assert StreamCapacity(4, reserve=3).num_threads == 7
+    default = StreamCapacity(4, who="encoder").refusal
+    assert default == "encoder at its stream capacity 4: retry later or elsewhere"
+    assert StreamCapacity(4, message="queue is full").refusal == "queue is full"

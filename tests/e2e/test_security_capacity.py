@@ -9,15 +9,15 @@ while the others arrive.
 
 from __future__ import annotations
 
-import threading
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.channels import create_channel
 from protos.epd.v1 import (
@@ -46,41 +46,51 @@ def stack(tiny_model_dir, tmp_path_factory) -> Iterator[Stack]:
     stack.stop()
 
 
-@dataclass
+# A probe in a process of its own, as a kubelet is: checks health every 50 ms until its stdin
+# closes, printing one JSON line [seconds, status] per check.
+PROBE = """
+import json, select, sys, time
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(sys.argv[1]))
+while not select.select([sys.stdin], [], [], 0.05)[0]:
+    start = time.monotonic()
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=float(sys.argv[2]))
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError as exc:
+        status = f"{exc.code().name}: {exc.details()}"
+    print(json.dumps([time.monotonic() - start, status]), flush=True)
+"""
+
+
 class HealthProbe:
-    """Checks ``address``'s health every 50 ms on a channel of its own, as a kubelet would."""
+    """Checks ``address``'s health every 50 ms from another process until ``stop()``."""
 
-    address: str
-    latencies: list[float] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        with create_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while not self._stop.wait(0.05):
-                start = time.monotonic()
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_BOUND_S)
-                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                        self.failures.append(str(reply.status))
-                except grpc.RpcError as exc:
-                    self.failures.append(f"{exc.code().name}: {exc.details()}")
-                self.latencies.append(time.monotonic() - start)
+    def __init__(self, address: str) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, address, str(HEALTH_BOUND_S)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        out, _ = self._proc.communicate("stop\n", timeout=30)
+        for line in out.splitlines():
+            seconds, status = json.loads(line)
+            self.latencies.append(seconds)
+            if status != "SERVING":
+                self.failures.append(status)
 
 
 def flood(start_stream: Callable[[int], grpc.Call], address: str) -> dict:
     """CAPACITY streams admitted (each has sent its first chunk), then 2 x CAPACITY more while
     they run; returns what happened, with the health probe's record."""
     probe = HealthProbe(address)
+    time.sleep(0.3)  # a few probes before the load
     try:
         admitted = [start_stream(i) for i in range(CAPACITY)]
         firsts = [next(call) for call in admitted]
@@ -104,11 +114,10 @@ def flood(start_stream: Callable[[int], grpc.Call], address: str) -> dict:
     return {"refused": refused, "answers": answers, "probe": probe}
 
 
-def check(result: dict, who: str) -> None:
+def check(result: dict, message: str) -> None:
     probe: HealthProbe = result["probe"]
     assert probe.failures == []
     assert len(probe.latencies) >= 5 and max(probe.latencies) < HEALTH_BOUND_S
-    message = f"{who} at its stream capacity {CAPACITY}: retry later or elsewhere"
     assert [(code, details) for code, details, _ in result["refused"]] == [
         ("RESOURCE_EXHAUSTED", message)
     ] * (2 * CAPACITY)
@@ -139,7 +148,7 @@ def test_language_worker_health_answers_while_excess_streams_are_refused(stack: 
             return stub.Generate(request, timeout=300)
 
         result = flood(start_stream, address)
-    check(result, "language worker")
+    check(result, f"language worker at its stream capacity {CAPACITY}: retry later or elsewhere")
 
 
 def test_gateway_health_answers_while_excess_streams_are_refused(stack: Stack) -> None:
@@ -152,4 +161,4 @@ def test_gateway_health_answers_while_excess_streams_are_refused(stack: Stack) -
             return stub.Generate(request, timeout=300)
 
         result = flood(start_stream, address)
-    check(result, "gateway")
+    check(result, f"gateway queue is full ({CAPACITY} requests in flight)")  # admission's words
