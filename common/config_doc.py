@@ -14,6 +14,9 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def _sections():
+    from common.internal import ENV_PREFIX as INTERNAL_ENV
+    from common.internal import FLAG_PREFIX as INTERNAL_FLAGS
+    from common.internal import InternalConfig
     from common.transfer.config import ENV_PREFIX as TRANSFER_ENV
     from common.transfer.config import TransferConfig
     from common.worker import WorkerConfig
@@ -35,6 +38,12 @@ def _sections():
             "",
         ),
         ("Transfer plane (encoder and language)", TransferConfig, TRANSFER_ENV, "transfer"),
+        (
+            "Internal gRPC credentials (every role; see docs/security.md)",
+            InternalConfig,
+            INTERNAL_ENV,
+            INTERNAL_FLAGS,
+        ),
     ]
 
 

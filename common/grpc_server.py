@@ -1,4 +1,15 @@
-"""What every gRPC server of the project shares: message limits, health, reflection, signals."""
+"""What every gRPC server of the project shares: limits, capacity, security, health, signals.
+
+``create_server`` builds a server whose thread pool has room for its long calls plus a reserve
+(``common.stream_capacity``: long calls beyond the bound get ``RESOURCE_EXHAUSTED``, so health,
+``GetLoad``, ``Abort`` and ``Cancel`` never wait behind streams), with optional security
+(``ServerSecurity``: TLS and/or a bearer-secret interceptor; ``grpc.health.v1`` stays open).
+``start_server`` adds health and reflection, binds and starts; with a ``health_port`` it also
+serves ``grpc.health.v1`` alone, in plaintext, on a side server of its own (kubelet gRPC probes
+speak neither TLS nor bearer tokens), which stops with the main one.
+
+Ports are exclusive (``grpc.so_reuseport`` off): a busy port is an ``OSError`` naming it.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +23,77 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.auth import BearerAuthInterceptor
+from common.stream_capacity import StreamCapacity, StreamCapacityInterceptor
+from common.tls import ServerTLS
 
-def create_server(num_threads: int, max_message_mb: int, name: str) -> grpc.Server:
-    """A server whose messages may be ``max_message_mb`` large (images are MBs).
+HEALTH_THREADS = 2
 
-    NOTE: grpcio sets ``SO_REUSEPORT`` by default, so a second server binds a port already in
-    use and the kernel splits connections between the two. Ports here are exclusive: a busy
-    port is a start-up error.
-    """
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """What a server demands of its callers; both parts optional."""
+
+    tls: ServerTLS | None = None  # None: plaintext
+    auth: BearerAuthInterceptor | None = None  # None: no bearer secret needed
+
+    @property
+    def describe(self) -> str:
+        parts = []
+        if self.tls is not None:
+            parts.append("mutual TLS" if self.tls.mutual else "TLS")
+        if self.auth is not None:
+            parts.append("bearer auth")
+        return " + ".join(parts) or "plaintext, open"
+
+
+class Server(grpc.Server):
+    """A ``grpc.Server`` that remembers its security and stops its health side server."""
+
+    def __init__(
+        self,
+        inner: grpc.Server,
+        name: str,
+        security: ServerSecurity | None,
+        capacity: StreamCapacityInterceptor | None,
+    ) -> None:
+        self._inner = inner
+        self.name = name
+        self.security = security or ServerSecurity()
+        self.capacity = capacity
+        self.health_server: grpc.Server | None = None
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers):
+        self._inner.add_generic_rpc_handlers(generic_rpc_handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers):
+        self._inner.add_registered_method_handlers(service_name, method_handlers)
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._inner.add_insecure_port(address)
+
+    def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
+        return self._inner.add_secure_port(address, server_credentials)
+
+    def start(self) -> None:
+        self._inner.start()
+
+    def stop(self, grace: float | None) -> threading.Event:
+        if self.health_server is not None:
+            self.health_server.stop(grace)
+        return self._inner.stop(grace)
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._inner.wait_for_termination(timeout)
+
+
+def _grpc_server(num_threads: int, thread_name: str, max_message_mb: int, interceptors=()):
+    """NOTE: grpcio sets ``SO_REUSEPORT`` by default, so a second server binds a port already in
+    use and the kernel splits connections between the two. Ports here are exclusive."""
     max_bytes = max_message_mb << 20
     return grpc.server(
-        futures.ThreadPoolExecutor(num_threads, thread_name_prefix=f"{name}-rpc"),
+        futures.ThreadPoolExecutor(num_threads, thread_name_prefix=thread_name),
+        interceptors=list(interceptors),
         options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
@@ -31,25 +102,68 @@ def create_server(num_threads: int, max_message_mb: int, name: str) -> grpc.Serv
     )
 
 
+def create_server(
+    name: str,
+    max_message_mb: int,
+    capacity: StreamCapacity,
+    security: ServerSecurity | None = None,
+) -> Server:
+    """A server whose messages may be ``max_message_mb`` large (images are MBs), running at most
+    ``capacity.max_streams`` long calls on a pool of ``capacity.num_threads`` threads."""
+    interceptors: list[grpc.ServerInterceptor] = []
+    if security is not None and security.auth is not None:
+        interceptors.append(security.auth)  # first: refused calls take no stream slot
+    bound = StreamCapacityInterceptor(capacity) if capacity.methods else None
+    if bound is not None:
+        interceptors.append(bound)
+    inner = _grpc_server(capacity.num_threads, f"{name}-rpc", max_message_mb, interceptors)
+    return Server(inner, name, security, bound)
+
+
+def _bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC port {address}: in use or not available")
+    return bound
+
+
 def start_server(
-    server: grpc.Server, host: str, port: int, service_names: Sequence[str]
+    server: Server,
+    host: str,
+    port: int,
+    service_names: Sequence[str],
+    health_port: int = 0,
 ) -> tuple[int, health.HealthServicer]:
     """Add grpc.health.v1 and reflection, bind, start; every service reports SERVING.
 
-    Returns the bound port (``port`` 0 picks one) and the health servicer (for draining).
+    Returns the bound port (``port`` 0 picks one) and the health servicer (for draining; it
+    also answers on ``health_port`` when that is set).
     """
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise OSError(f"cannot bind gRPC port {host}:{port}: in use or not available")
+    tls = server.security.tls
+    bound = _bind(server, f"{host}:{port}", tls.credentials() if tls is not None else None)
+    if health_port:
+        side = _grpc_server(HEALTH_THREADS, f"{server.name}-health", 1)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, side)
+        try:
+            _bind(side, f"{host}:{health_port}", None)
+        except OSError:
+            server.stop(None)
+            raise
+        server.health_server = side
     server.start()
+    if server.health_server is not None:
+        server.health_server.start()
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return bound, health_servicer
@@ -58,11 +172,12 @@ def start_server(
 @dataclass(frozen=True)
 class Running:
     """A started service (``start(args)`` of a server module): its port, a line that says where
-    it listens, and how to stop everything it started."""
+    it listens, and how to stop everything it started. A gateway also has its registry port."""
 
     port: int
     banner: str
     stop: Callable[[], object]
+    registry_port: int = 0
 
 
 def serve_until_terminated(running: Running) -> int:

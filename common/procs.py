@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.channels import ChannelSecurity, create_channel
+
 # Environment every serving process starts with (the caller's own values win).
 # NOTE: torch's OpenMP threads spin for milliseconds after each parallel op by default; on a
 # small machine that keeps the transfer control threads off the CPU and a control message's
@@ -56,9 +58,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def check_health(address: str, timeout_s: float = 1.0, service: str = "") -> bool:
-    """True when ``address`` answers grpc.health.v1 Check with SERVING."""
-    with grpc.insecure_channel(address) as channel:
+def check_health(
+    address: str,
+    timeout_s: float = 1.0,
+    service: str = "",
+    security: ChannelSecurity | None = None,
+) -> bool:
+    """True when ``address`` answers grpc.health.v1 Check with SERVING (over TLS when
+    ``security`` says so; health needs no bearer secret)."""
+    with create_channel(address, security, keepalive=False) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -78,9 +86,12 @@ class ServiceProcess:
         address: str,
         log_dir: Path,
         env: dict[str, str] | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
+        """``security``: how to reach the process's gRPC port for health checks."""
         self.name = name
         self.address = address
+        self.security = security
         self.log_path = Path(log_dir) / f"{name}.log"
         env = runtime_env({"PYTHONUNBUFFERED": "1", **(env or {})})
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -103,7 +114,7 @@ class ServiceProcess:
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
-            if check_health(self.address, timeout_s=0.5):
+            if check_health(self.address, timeout_s=0.5, security=self.security):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f}s:\n{self.tail()}")

@@ -6,6 +6,9 @@ gateway drops workers it has not heard from; the heartbeat carries the worker's 
 is down or restarting is retried every interval; the worker keeps serving meanwhile.
 
 An operator's side: ``list_workers`` and ``wait_for_workers`` read the pools.
+
+Both present the internal credentials (``common.channels.ChannelSecurity``) when the registry
+demands them; a refused heartbeat is logged with the registry's reason.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable
 
 import grpc
 
+from common.channels import ChannelSecurity, create_channel
 from common.load_figures import LoadReply, descriptor, load_figures
 from protos.epd.v1 import registry_pb2, registry_pb2_grpc
 
@@ -33,16 +37,18 @@ class Registrar:
         report_fn: Callable[[], LoadReply],
         info: dict[str, str] | None = None,
         interval_s: float = 1.0,
+        security: ChannelSecurity | None = None,
     ) -> None:
         """``report_fn`` returns the worker's own ``GetLoad`` reply: each heartbeat carries its
-        load figures and descriptor (``common.load_figures``)."""
+        load figures and descriptor (``common.load_figures``). ``gateway`` is the registry
+        address; ``security`` what the registrar presents there."""
         self._address = address
         self._role = role
         self._capacity = capacity
         self._report_fn = report_fn
         self._info = dict(info or {})
         self._interval_s = interval_s
-        self._channel = grpc.insecure_channel(gateway)
+        self._channel = create_channel(gateway, security, max_message_mb=4)
         self._stub = registry_pb2_grpc.WorkerRegistryStub(self._channel)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="registrar", daemon=True)
@@ -80,7 +86,7 @@ class Registrar:
                 failing = False
             except grpc.RpcError as exc:
                 if not failing:
-                    log.warning("gateway heartbeat failed: %s", exc.code())
+                    log.warning("gateway heartbeat failed: %s: %s", exc.code().name, exc.details())
                 failing = True
             self._stop.wait(self._interval_s)
 
@@ -98,21 +104,27 @@ class Registrar:
         self._channel.close()
 
 
-def list_workers(registry_address: str, timeout_s: float = 5.0) -> list[registry_pb2.WorkerInfo]:
+def list_workers(
+    registry_address: str, timeout_s: float = 5.0, security: ChannelSecurity | None = None
+) -> list[registry_pb2.WorkerInfo]:
     """Every worker the gateway at ``registry_address`` (its registry port) knows."""
-    with grpc.insecure_channel(registry_address) as channel:
+    with create_channel(registry_address, security, keepalive=False) as channel:
         stub = registry_pb2_grpc.WorkerRegistryStub(channel)
         return list(stub.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=timeout_s).workers)
 
 
 def wait_for_workers(
-    registry_address: str, num_encoders: int, num_languages: int, timeout_s: float
+    registry_address: str,
+    num_encoders: int,
+    num_languages: int,
+    timeout_s: float,
+    security: ChannelSecurity | None = None,
 ) -> None:
     """Until at least this many healthy workers of each role are registered."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            roles = [w.role for w in list_workers(registry_address) if w.healthy]
+            roles = [w.role for w in list_workers(registry_address, security=security) if w.healthy]
         except grpc.RpcError:
             roles = []
         if roles.count("encoder") >= num_encoders and roles.count("language") >= num_languages:

@@ -1,9 +1,10 @@
-"""What every worker process has besides its own service: registration and metrics.
+"""What every worker process has besides its own service: registration, metrics, credentials.
 
 ``WorkerConfig`` is nested in the encoder's and the language worker's configs (same flags, each
-under its role's env prefix). ``WorkerRuntime`` starts the heartbeat to the gateway (carrying
-what the worker's own ``GetLoad`` reply says) and the Prometheus endpoint, and stops both on
-shutdown.
+under its role's env prefix); it nests the internal credentials (``common.internal``, env
+``EPD_INTERNAL_*`` for every role). ``WorkerRuntime`` starts the heartbeat to the gateway's
+registry port (carrying what the worker's own ``GetLoad`` reply says, presenting the internal
+credentials) and the Prometheus endpoint, and stops both on shutdown.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.cli_config import add_cli_args, field, from_cli_args
+from common.internal import (
+    InternalConfig,
+    add_internal_arguments,
+    channel_security,
+    internal_config,
+)
 from common.load_figures import LoadReply
 from common.registration import Registrar
 from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
@@ -21,19 +28,28 @@ from common.transfer.config import TransferConfig
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    gateway: str = field("", help="gateway host:port to register with ('' = static list only)")
+    gateway: str = field(
+        "", help="the gateway's registry address host:port to register with ('' = static list only)"
+    )
     advertise_host: str = field(
         "", help="address the gateway reaches this worker at ('' = the bind host)"
     )
     capacity: int = field(64, help="requests this worker takes at once (routing hint)")
     heartbeat_interval_s: float = field(1.0, help="seconds between heartbeats to the gateway")
     metrics_port: int = field(0, help="Prometheus metrics HTTP port (0 = off)")
+    health_port: int = field(
+        0, help="plaintext port serving only grpc.health.v1, for probes (0 = off)"
+    )
+    internal: InternalConfig = field(
+        InternalConfig(), help="internal gRPC credentials (EPD_INTERNAL_*)"
+    )
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.heartbeat_interval_s <= 0:
             raise ValueError("capacity and heartbeat_interval_s must be positive")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port out of range: {self.metrics_port}")
+        for name in ("metrics_port", "health_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} out of range: {getattr(self, name)}")
 
 
 class WorkerRuntime:
@@ -65,6 +81,7 @@ class WorkerRuntime:
                 report_fn,
                 info,
                 config.heartbeat_interval_s,
+                security=channel_security(config.internal),
             ).start()
 
     def stop(self) -> None:
@@ -75,15 +92,17 @@ class WorkerRuntime:
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, env_prefix: str) -> None:
-    """Flags of the configs every worker nests: registration/metrics and the transfer plane."""
+    """Flags of the configs every worker nests: registration/metrics/credentials and the
+    transfer plane."""
     add_cli_args(parser, WorkerConfig, env_prefix)
+    add_internal_arguments(parser)
     add_cli_args(parser, TransferConfig, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
 
 
 def worker_configs(args: argparse.Namespace, env_prefix: str) -> dict:
     """``{"worker": WorkerConfig, "transfer": TransferConfig}`` to nest in a service config."""
     return {
-        "worker": from_cli_args(WorkerConfig, args, env_prefix),
+        "worker": from_cli_args(WorkerConfig, args, env_prefix, internal=internal_config(args)),
         "transfer": from_cli_args(
             TransferConfig, args, TRANSFER_ENV_PREFIX, flag_prefix="transfer"
         ),

@@ -33,7 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--encoders", type=int, default=1)
     parser.add_argument("--languages", type=int, default=1)
-    parser.add_argument("--gateway-port", type=int, default=50051)
+    parser.add_argument("--gateway-port", type=int, default=50051, help="the public API's port")
+    parser.add_argument(
+        "--registry-port", type=int, default=0, help="the worker registry's port (0: a free one)"
+    )
     parser.add_argument(
         "--metrics", action="store_true", help="expose Prometheus metrics on free ports (printed)"
     )
@@ -117,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             args.encoders,
             args.languages,
             gateway_port=args.gateway_port,
+            registry_port=args.registry_port,
             metrics=args.metrics,
             startup_timeout_s=args.startup_timeout,
             on_progress=_say,
@@ -127,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
         if args.once:
             return 0 if ok else 1
         _say(
-            f"\nserving on {gateway} (Ctrl-C to stop); try: epd generate --gateway {gateway} "
-            "--prompt 'Hello'"
+            f"\nserving on {gateway}, worker registry on {stack.registry_address} (Ctrl-C to "
+            f"stop); try: epd generate --gateway {gateway} --prompt 'Hello'"
         )
         while all(p.alive() for p in stack.procs):
             time.sleep(1.0)

@@ -1,7 +1,14 @@
 """A whole stack on 127.0.0.1: a gateway, N encoders, M language workers, each a process.
 
 Used by ``epd run``, the end-to-end benchmark and the end-to-end tests, so all three start the
-services the same way: ``epd serve ROLE`` children that register with the gateway by heartbeat.
+services the same way: ``epd serve ROLE`` children that register with the gateway's registry
+port by heartbeat. The gateway gets two ports: the public API and the worker registry (a free
+port unless one is given).
+
+Security is off unless asked for: a caller that turns on TLS, API keys or the internal token
+(by flags or ``env`` for the processes) passes ``public`` / ``internal`` — how the stack's own
+helpers reach the gateway's public port and the internal ports — so that health checks, the
+registry listing and ``channel()`` present the same credentials.
 """
 
 from __future__ import annotations
@@ -12,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
+
+from common.channels import ChannelSecurity, create_channel
 from common.procs import ServiceProcess, free_port
 
 
@@ -21,17 +31,27 @@ class LocalStack:
     encoders: list[ServiceProcess] = field(default_factory=list)
     languages: list[ServiceProcess] = field(default_factory=list)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # by process name
+    registry_port: int = 0
+    public: ChannelSecurity | None = None  # what the gateway's public port demands
+    internal: ChannelSecurity | None = None  # what the registry and the workers demand
 
     @property
     def registry_address(self) -> str:
         """Where workers register and operators list them (the gateway's internal port)."""
-        return self.gateway.address
+        return f"127.0.0.1:{self.registry_port}"
 
     def workers(self) -> list:
         """The gateway's ``ListWorkers`` (``registry_pb2.WorkerInfo`` of every known worker)."""
         from common.registration import list_workers
 
-        return list_workers(self.registry_address)
+        return list_workers(self.registry_address, security=self.internal)
+
+    def channel(self, address: str | None = None) -> grpc.Channel:
+        """A channel to ``address`` with the credentials it demands: the public ones for the
+        gateway's public port (the default), the internal ones for any other process."""
+        address = address or self.gateway.address
+        security = self.public if address == self.gateway.address else self.internal
+        return create_channel(address, security)
 
     @property
     def procs(self) -> list[ServiceProcess]:
@@ -73,11 +93,15 @@ def start_local_stack(
     startup_timeout_s: float = 180.0,
     on_progress: Callable[[str], None] | None = None,
     stack_cls: type[S] = LocalStack,
+    registry_port: int = 0,
+    public: ChannelSecurity | None = None,
+    internal: ChannelSecurity | None = None,
 ) -> S:
     """Start everything and return once all workers are healthy and registered.
 
-    With ``metrics`` each process serves Prometheus metrics on a free port. On any failure the
-    processes already started are stopped before the error propagates.
+    ``gateway_port`` / ``registry_port`` 0 pick free ports. With ``metrics`` each process
+    serves Prometheus metrics on a free port. On any failure the processes already started are
+    stopped before the error propagates.
     """
     say = on_progress or (lambda _msg: None)
     metrics_ports: dict[str, int] = {}
@@ -89,11 +113,15 @@ def start_local_stack(
         return ["--metrics-port", str(metrics_ports[name])]
 
     port = gateway_port or free_port()
-    gateway_cmd = ["serve", "gateway", "--port", str(port), *metrics_args("gateway"),
-                   *gateway_args]  # fmt: skip
+    registry_port = registry_port or free_port()
+    gateway_cmd = ["serve", "gateway", "--port", str(port), "--registry-port",
+                   str(registry_port), *metrics_args("gateway"), *gateway_args]  # fmt: skip
     stack = stack_cls(
-        ServiceProcess("gateway", gateway_cmd, f"127.0.0.1:{port}", log_dir, env),
+        ServiceProcess("gateway", gateway_cmd, f"127.0.0.1:{port}", log_dir, env, public),
         metrics_ports=metrics_ports,
+        registry_port=registry_port,
+        public=public,
+        internal=internal,
     )
     try:
         for role, count, group in (
@@ -103,14 +131,21 @@ def start_local_stack(
             for i in range(count):
                 name, wport = f"{role}-{i}", free_port()
                 cmd = ["serve", role, "--model-path", str(model_dir), "--port", str(wport),
-                       "--gateway", stack.gateway.address, *metrics_args(name),
+                       "--gateway", stack.registry_address, *metrics_args(name),
                        *worker_args]  # fmt: skip
-                group.append(ServiceProcess(name, cmd, f"127.0.0.1:{wport}", log_dir, env))
+                address = f"127.0.0.1:{wport}"
+                group.append(ServiceProcess(name, cmd, address, log_dir, env, internal))
+
+        def where(proc: ServiceProcess) -> str:
+            if proc is stack.gateway:
+                return f"{proc.address} (worker registry {stack.registry_address})"
+            return proc.address
+
         for proc in stack.procs:
-            say(f"  starting {proc.name:<12} {proc.address}")
+            say(f"  starting {proc.name:<12} {where(proc)}")
         for proc in stack.procs:
             proc.wait_healthy(startup_timeout_s)
-            say(f"  healthy   {proc.name:<12} {proc.address}")
+            say(f"  healthy   {proc.name:<12} {where(proc)}")
         stack.wait_registered(startup_timeout_s)
     except BaseException:
         stack.stop()

@@ -33,6 +33,7 @@ class ServiceActor:
             argv = [*argv, "--host", "0.0.0.0"]
             if role != "gateway":
                 argv += ["--advertise-host", self.host, "--transfer-host", self.host]
+        self.registry_port = 0
         self._stop = self._start(ROLE_MODULES[role], argv)
 
     def _start(self, module_name: str, argv: list[str]):
@@ -43,10 +44,15 @@ class ServiceActor:
         module.add_arguments(parser)
         running = module.start(parser.parse_args(argv))
         self.port = running.port
+        self.registry_port = running.registry_port
         return running.stop
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def registry_address(self) -> str:
+        """The gateway's worker registry (internal port); workers register there."""
+        return f"{self.host}:{self.registry_port}"
 
     def stop(self) -> None:
         self._stop()
@@ -61,7 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--languages", type=int, default=1)
     parser.add_argument("--model-path", help="checkpoint visible on every node (default: demo)")
     parser.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH)
-    parser.add_argument("--gateway-port", type=int, default=50051)
+    parser.add_argument("--gateway-port", type=int, default=50051, help="the public API's port")
+    parser.add_argument(
+        "--registry-port", type=int, default=0, help="the worker registry's port (0: a free one)"
+    )
     parser.add_argument("--encoder-cpus", type=float, default=1.0)
     parser.add_argument("--encoder-gpus", type=float, default=0.0)
     parser.add_argument("--language-cpus", type=float, default=1.0)
@@ -111,12 +120,17 @@ def run(args: argparse.Namespace) -> int:
     actors = []
     try:
         gateway = actor_cls.options(**_actor_options(args, "gateway", 0.1, 0, 0)).remote(
-            "gateway", ["--port", str(args.gateway_port)], on_cluster
+            "gateway",
+            ["--port", str(args.gateway_port), "--registry-port", str(args.registry_port)],
+            on_cluster,
         )
         actors.append(gateway)
-        gateway_address = ray.get(gateway.address.remote(), timeout=args.startup_timeout)
-        print(f"gateway actor on {gateway_address}", flush=True)
-        worker_argv = ["--model-path", model_path, "--port", "0", "--gateway", gateway_address]
+        gateway_address, registry_address = ray.get(
+            [gateway.address.remote(), gateway.registry_address.remote()],
+            timeout=args.startup_timeout,
+        )
+        print(f"gateway actor on {gateway_address} (registry {registry_address})", flush=True)
+        worker_argv = ["--model-path", model_path, "--port", "0", "--gateway", registry_address]
         for role, count, cpus, gpus in (
             ("encoder", args.encoders, args.encoder_cpus, args.encoder_gpus),
             ("language", args.languages, args.language_cpus, args.language_gpus),
@@ -129,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 )
         addresses = ray.get([a.address.remote() for a in actors[1:]], timeout=args.startup_timeout)
         print("workers: " + ", ".join(addresses), flush=True)
-        wait_for_workers(gateway_address, args.encoders, args.languages, args.startup_timeout)
+        wait_for_workers(registry_address, args.encoders, args.languages, args.startup_timeout)
         ok = run_demo(gateway_address, max_tokens=16)
         if args.once:
             return 0 if ok else 1

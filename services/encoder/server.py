@@ -14,6 +14,8 @@ import grpc
 
 from common.cli_config import add_cli_args, from_cli_args
 from common.grpc_server import Running, create_server, serve_until_terminated, start_server
+from common.internal import server_security
+from common.stream_capacity import StreamCapacity
 from common.worker import WorkerRuntime, add_worker_arguments, worker_configs
 from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -36,11 +38,17 @@ def serve(
     Stop with ``server.stop(grace)`` then ``service.close()``.
     """
     service = EncoderService(model_path, config, sender)
-    server = create_server(config.grpc_workers, config.max_message_mb, "epd-encoder")
-    encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(service), server)
+    long_methods = (f"/{SERVICE_NAME}/Encode", f"/{SERVICE_NAME}/WaitEncoded")
+    capacity = StreamCapacity(config.grpc_workers, long_methods, who="encoder")
     try:
-        port, _ = start_server(server, config.host, config.port, (SERVICE_NAME,))
-    except OSError:
+        server = create_server(
+            "epd-encoder", config.max_message_mb, capacity, server_security(config.worker.internal)
+        )
+        encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(service), server)
+        port, _ = start_server(
+            server, config.host, config.port, (SERVICE_NAME,), config.worker.health_port
+        )
+    except (OSError, ValueError):
         service.close()
         raise
     endpoint = service.sender.endpoint

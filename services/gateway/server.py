@@ -1,4 +1,10 @@
-"""``epd serve gateway``: the public API and the worker registry on one gRPC port.
+"""``epd serve gateway``: the public API and the worker registry, each on its own gRPC port.
+
+The public port serves ``epd.v1.Gateway``, health and reflection, with TLS and API keys when
+configured; ``Generate`` streams beyond the admission bound (``max_queued``) are refused with
+``RESOURCE_EXHAUSTED`` so health always answers. The registry port (``epd.v1.WorkerRegistry``,
+its own health and reflection) is internal: workers heartbeat there, with the internal
+credentials (``EPD_INTERNAL_*``) that the gateway also presents when it calls them.
 
 ``serve(config)`` starts everything in-process and returns a ``GatewayServer``; a background
 thread polls every known worker's health and load and drops self-registered workers that went
@@ -16,8 +22,21 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
+from common.auth import BearerAuthInterceptor, BearerKeys
 from common.cli_config import add_cli_args, from_cli_args
-from common.grpc_server import Running, create_server, serve_until_terminated, start_server
+from common.grpc_server import (
+    Running,
+    Server,
+    ServerSecurity,
+    create_server,
+    serve_until_terminated,
+    start_server,
+)
+from common.internal import add_internal_arguments, channel_security, internal_config
+from common.internal import server_security as internal_server_security
+from common.secret_files import SecretFile
+from common.stream_capacity import StreamCapacity
+from common.tls import ServerTLS
 from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
 from services.gateway import workers as calls
 from services.gateway.admission import Admission
@@ -29,10 +48,10 @@ from services.gateway.routing import create_policy
 from services.gateway.servicer import GatewayServicer, RegistryServicer
 
 logger = logging.getLogger(__name__)
-SERVICE_NAMES = (
-    gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
-    registry_pb2.DESCRIPTOR.services_by_name["WorkerRegistry"].full_name,
-)
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+REGISTRY_SERVICE = registry_pb2.DESCRIPTOR.services_by_name["WorkerRegistry"].full_name
+LONG_METHODS = (f"/{GATEWAY_SERVICE}/Generate", f"/{GATEWAY_SERVICE}/GenerateUnary")
+REGISTRY_THREADS = 8  # the registry's calls are all short: heartbeats, lists
 
 
 class HealthPoller:
@@ -71,17 +90,60 @@ class GatewayServer:
     metrics: GatewayMetrics
     poller: HealthPoller
     health: health.HealthServicer
+    registry_server: grpc.Server
+    registry_port: int
+    registry_health: health.HealthServicer
 
     def stop(self, grace_s: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()
+        self.registry_health.enter_graceful_shutdown()
         self.poller.stop()
         self.server.stop(grace_s).wait()
+        self.registry_server.stop(grace_s).wait()
         self.registry.close()
 
 
+def public_security(
+    config: GatewayConfig, metrics: GatewayMetrics | None = None
+) -> ServerSecurity | None:
+    """TLS and/or API keys on the public port, as configured (None: plaintext, open). Requests
+    refused for want of a key count under ``UNAUTHENTICATED`` in ``metrics``."""
+    tls = ServerTLS(config.tls_cert_file, config.tls_key_file) if config.tls_cert_file else None
+    auth = None
+    if config.requires_api_key:
+        keys_file = SecretFile(config.api_keys_file) if config.api_keys_file else None
+
+        def count(method: str) -> None:
+            if metrics is not None and method in LONG_METHODS:
+                metrics.requests.labels("UNAUTHENTICATED").inc()
+
+        keys = BearerKeys(config.api_keys, keys_file)
+        auth = BearerAuthInterceptor(keys, "API key", on_refuse=count)
+    return ServerSecurity(tls=tls, auth=auth) if tls or auth else None
+
+
+def _start_registry(
+    config: GatewayConfig, registry: WorkerRegistry
+) -> tuple[Server, int, health.HealthServicer]:
+    server = create_server(
+        "epd-registry",
+        config.max_message_mb,
+        StreamCapacity(0, reserve=REGISTRY_THREADS, who="gateway registry"),
+        internal_server_security(config.internal),
+    )
+    registry_pb2_grpc.add_WorkerRegistryServicer_to_server(
+        RegistryServicer(registry, config.heartbeat_interval_s), server
+    )
+    host = config.registry_host or config.host
+    port, health_servicer = start_server(server, host, config.registry_port, (REGISTRY_SERVICE,))
+    return server, port, health_servicer
+
+
 def serve(config: GatewayConfig) -> GatewayServer:
+    worker_security = channel_security(config.internal)
     registry = WorkerRegistry(
-        config.worker_expiry_s, lambda address: calls.create_channel(address, config.max_message_mb)
+        config.worker_expiry_s,
+        lambda address: calls.create_channel(address, config.max_message_mb, worker_security),
     )
     for address in config.encoders:
         registry.add_static(address, Role.ENCODER)
@@ -96,26 +158,63 @@ def serve(config: GatewayConfig) -> GatewayServer:
         create_policy(config.language_policy, Role.LANGUAGE, config.affinity_slack),
         metrics,
     )
-    server = create_server(config.max_queued + 16, config.max_message_mb, "epd-gateway")
+    # The admission bound is the stream bound: the same refusal, whichever sees it first.
+    capacity = StreamCapacity(
+        config.max_queued,
+        LONG_METHODS,
+        who="gateway",
+        on_reject=lambda _method: metrics.requests.labels("RESOURCE_EXHAUSTED").inc(),
+        message=f"gateway queue is full ({config.max_queued} requests in flight)",
+    )
+    security = public_security(config, metrics)
+    server = create_server("epd-gateway", config.max_message_mb, capacity, security)
     gateway_pb2_grpc.add_GatewayServicer_to_server(
         GatewayServicer(config, admission, orchestrator, registry, metrics), server
     )
-    registry_pb2_grpc.add_WorkerRegistryServicer_to_server(
-        RegistryServicer(registry, config.heartbeat_interval_s), server
+    port, health_servicer = start_server(
+        server, config.host, config.port, (GATEWAY_SERVICE,), health_port=config.health_port
     )
-    port, health_servicer = start_server(server, config.host, config.port, SERVICE_NAMES)
+    try:
+        registry_server, registry_port, registry_health = _start_registry(config, registry)
+    except BaseException:
+        server.stop(None)
+        raise
     poller = HealthPoller(registry, config.health_poll_s)
-    logger.info("gateway serving on %s:%d", config.host, port)
-    return GatewayServer(server, port, registry, admission, metrics, poller, health_servicer)
+    logger.info(
+        "gateway public API on %s:%d (%s), worker registry on %s:%d (%s)",
+        config.host,
+        port,
+        server.security.describe,
+        config.registry_host or config.host,
+        registry_port,
+        registry_server.security.describe,
+    )
+    return GatewayServer(
+        server,
+        port,
+        registry,
+        admission,
+        metrics,
+        poller,
+        health_servicer,
+        registry_server,
+        registry_port,
+        registry_health,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cli_args(parser, GatewayConfig, ENV_PREFIX)
+    add_internal_arguments(parser)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return from_cli_args(GatewayConfig, args, ENV_PREFIX, internal=internal_config(args))
 
 
 def start(args: argparse.Namespace) -> Running:
     """Serve and expose metrics (``epd serve gateway`` and Ray)."""
-    config = from_cli_args(GatewayConfig, args, ENV_PREFIX)
+    config = config_from_args(args)
     handle = serve(config)
     metrics_server = None
     if config.metrics_port:
@@ -128,7 +227,12 @@ def start(args: argparse.Namespace) -> Running:
             metrics_server.shutdown()
         handle.stop()
 
-    return Running(handle.port, f"gateway listening on {config.host}:{handle.port}", stop)
+    registry_host = config.registry_host or config.host
+    banner = (
+        f"gateway listening on {config.host}:{handle.port} "
+        f"(worker registry on {registry_host}:{handle.registry_port})"
+    )
+    return Running(handle.port, banner, stop, registry_port=handle.registry_port)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import channels
+from common.channels import ChannelSecurity
 from common.load_figures import descriptor, load_figures
 from protos.epd.v1 import (
     common_pb2,
@@ -20,17 +22,11 @@ from protos.epd.v1 import (
 from services.gateway.registry import Role, Worker
 
 
-def create_channel(address: str, max_message_mb: int = 64) -> grpc.Channel:
-    max_bytes = max_message_mb << 20
-    return grpc.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_send_message_length", max_bytes),
-            ("grpc.max_receive_message_length", max_bytes),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
-        ],
-    )
+def create_channel(
+    address: str, max_message_mb: int = 64, security: ChannelSecurity | None = None
+) -> grpc.Channel:
+    """The gateway's long-lived channel to a worker (``common.channels.create_channel``)."""
+    return channels.create_channel(address, security, max_message_mb)
 
 
 def encode(worker: Worker, room: int, request_id: str, messages, timeout_s: float) -> grpc.Future:

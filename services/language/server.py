@@ -15,6 +15,8 @@ from grpc_health.v1 import health
 
 from common.cli_config import add_cli_args, from_cli_args
 from common.grpc_server import Running, create_server, serve_until_terminated, start_server
+from common.internal import server_security
+from common.stream_capacity import StreamCapacity
 from common.transfer.layout import dtype_name, parse_dtype
 from common.worker import WorkerRuntime, add_worker_arguments, worker_configs
 from protos.epd.v1 import language_pb2_grpc
@@ -56,10 +58,20 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
     engine = LanguageEngine(config, embedding_source)
     engine_thread = EngineThread(engine, config.max_waiting_requests)
     engine_thread.start()
-    server = create_server(config.grpc_workers, config.grpc_max_message_mb, "epd-language")
+    capacity = StreamCapacity(
+        config.grpc_workers, (f"/{SERVICE_NAME}/Generate",), who="language worker"
+    )
+    server = create_server(
+        "epd-language",
+        config.grpc_max_message_mb,
+        capacity,
+        server_security(config.worker.internal),
+    )
     servicer = LanguageServicer(engine_thread, embedding_source)
     language_pb2_grpc.add_LanguageServiceServicer_to_server(servicer, server)
-    port, health_servicer = start_server(server, config.host, config.port, (SERVICE_NAME,))
+    port, health_servicer = start_server(
+        server, config.host, config.port, (SERVICE_NAME,), config.worker.health_port
+    )
     logger.info("language worker on %s:%d: %s", config.host, port, describe(engine))
     return LanguageServer(server, engine_thread, health_servicer, port, embedding_source)
 

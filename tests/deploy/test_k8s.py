@@ -147,7 +147,9 @@ def test_renders_every_role(objs: tuple[Obj, ...]) -> None:
     assert set(of_kind(objs, "ServiceMonitor")) == names
     assert set(of_kind(objs, "HorizontalPodAutoscaler")) == {f"epd-{r}" for r in WORKERS}
     prefixes = {name.rsplit("-", 1)[0] for name in of_kind(objs, "ConfigMap")}
-    assert prefixes == {f"epd-{r}-config" for r in (*ROLES, "transfer")}
+    assert prefixes == {f"epd-{r}-config" for r in (*ROLES, "transfer", "internal")}
+    policies = {"epd-default-deny", *names}
+    assert set(of_kind(objs, "NetworkPolicy")) == policies
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -213,15 +215,19 @@ def test_service_selectors_and_target_ports(objs: tuple[Obj, ...]) -> None:
         assert of_kind(objs, "Service")[f"epd-{role}"]["spec"]["clusterIP"] == "None"
 
 
-def test_probes_hit_the_grpc_port(objs: tuple[Obj, ...]) -> None:
+def test_probes_hit_the_health_port(objs: tuple[Obj, ...]) -> None:
+    """Probes use the plaintext health-only port: kubelet gRPC probes speak neither TLS nor
+    bearer tokens, so they must not depend on the main port's credentials."""
     for name, deployment in of_kind(objs, "Deployment").items():
         container = main_container(deployment)
         grpc_port = int(arg_value(container, "--port"))
+        health_port = int(arg_value(container, "--health-port"))
         assert container_ports(container)["grpc"] == grpc_port, name
+        assert container_ports(container)["health"] == health_port != grpc_port, name
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container[kind]
             assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, (name, kind)
-            assert probe["grpc"]["port"] == grpc_port, f"{name} {kind} misses the gRPC port"
+            assert probe["grpc"]["port"] == health_port, f"{name} {kind} misses the health port"
         startup = container["startupProbe"]
         budget_s = startup["periodSeconds"] * startup["failureThreshold"]
         assert budget_s >= (300 if name != "epd-gateway" else 30), f"{name}: startup too short"
@@ -303,11 +309,16 @@ def test_workers_reach_gateway_and_peers(objs: tuple[Obj, ...]) -> None:
     services = of_kind(objs, "Service")
     gateway_metrics = int(arg_value(main_container(deployments["epd-gateway"]), "--metrics-port"))
     assert container_ports(main_container(deployments["epd-gateway"]))["metrics"] == gateway_metrics
+    gateway = main_container(deployments["epd-gateway"])
+    registry_port = int(arg_value(gateway, "--registry-port"))
+    assert container_ports(gateway)["registry"] == registry_port
+    assert registry_port != int(arg_value(gateway, "--port"))
     for role in WORKERS:
         container = main_container(deployments[f"epd-{role}"])
         host, port = arg_value(container, "--gateway").rsplit(":", 1)
         assert host in services, f"{role}: --gateway names no Service"
-        assert int(port) in {p["port"] for p in services[host]["spec"]["ports"]}
+        by_port = {p["port"]: p for p in services[host]["spec"]["ports"]}
+        assert by_port[int(port)]["targetPort"] == "registry", f"{role}: not the registry port"
         assert arg_value(container, "--advertise-host") == "$(POD_IP)"
         assert field_ref(container, "POD_IP") == "status.podIP"
         assert field_ref(container, "EPD_TRANSFER_HOST") == "status.podIP"

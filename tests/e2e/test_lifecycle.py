@@ -38,17 +38,18 @@ def _wait_gone(pids_of, timeout_s: float) -> list[int]:
 
 def test_services_die_with_a_killed_epd_run(tiny_model_dir, tmp_path: Path) -> None:
     """SIGKILL leaves no handler to run: the children must go by themselves (PDEATHSIG)."""
-    port = free_port()
+    port, registry_port = free_port(), free_port()
+    ports = (port, registry_port)
     model = str(tiny_model_dir("qwen2_vl"))
-    proc = _epd("run", "--model-path", model, "--gateway-port", str(port), "--log-dir",
-                str(tmp_path), "--max-tokens", "4")  # fmt: skip
+    proc = _epd("run", "--model-path", model, "--gateway-port", str(port), "--registry-port",
+                str(registry_port), "--log-dir", str(tmp_path), "--max-tokens", "4")  # fmt: skip
     try:
         out = _read_until(proc, "serving on", 240.0)
         assert "serving on" in out, out[-3000:]
-        assert len(_services_of(port)) == 3
+        assert len(_services_of(*ports)) == 3
         proc.kill()
         proc.wait(10)
-        assert _wait_gone(lambda: _services_of(port), 30) == []
+        assert _wait_gone(lambda: _services_of(*ports), 30) == []
         # the port is free again (as servers bind: SO_REUSEADDR, past TIME_WAIT connections)
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -56,7 +57,7 @@ def test_services_die_with_a_killed_epd_run(tiny_model_dir, tmp_path: Path) -> N
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in _services_of(port):
+        for pid in _services_of(*ports):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -66,9 +67,11 @@ def test_a_busy_port_is_a_one_line_startup_error() -> None:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
+        free_registry = ["--registry-port", "0"]
         for role_args in (
-            ["serve", "gateway", "--port", str(port)],
-            ["serve", "gateway", "--port", "0", "--metrics-port", str(port)],
+            ["serve", "gateway", "--port", str(port), *free_registry],
+            ["serve", "gateway", "--port", "0", "--registry-port", str(port)],
+            ["serve", "gateway", "--port", "0", *free_registry, "--metrics-port", str(port)],
         ):
             proc = _epd(*role_args)
             out, _ = proc.communicate(timeout=60)
@@ -79,11 +82,11 @@ def test_a_busy_port_is_a_one_line_startup_error() -> None:
 
 def test_two_gateways_cannot_share_a_port(tmp_path: Path) -> None:
     port = free_port()
-    first = _epd("serve", "gateway", "--port", str(port))
+    first = _epd("serve", "gateway", "--port", str(port), "--registry-port", "0")
     try:
         out = _read_until(first, "listening", 60.0)
         assert "listening" in out, out
-        second = _epd("serve", "gateway", "--port", str(port))
+        second = _epd("serve", "gateway", "--port", str(port), "--registry-port", "0")
         out2, _ = second.communicate(timeout=60)
         assert second.returncode == 2 and f"{port}" in out2 and "Traceback" not in out2, out2
     finally:
@@ -94,10 +97,10 @@ def test_two_gateways_cannot_share_a_port(tmp_path: Path) -> None:
 def test_a_failed_demo_is_one_line(tiny_model_dir, tmp_path: Path) -> None:
     """The encoder refuses the demo prompt (too long for it): ``epd run --once`` says so in one
     line and exits with status 1, taking the stack down."""
-    port = free_port()
+    port, registry_port = free_port(), free_port()
     model = str(tiny_model_dir("qwen2_vl"))
     proc = _epd("run", "--once", "--model-path", model, "--gateway-port", str(port),
-                "--log-dir", str(tmp_path),
+                "--registry-port", str(registry_port), "--log-dir", str(tmp_path),
                 env={"EPD_ENCODER_MAX_PROMPT_TOKENS": "16"})  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=240)
@@ -108,4 +111,4 @@ def test_a_failed_demo_is_one_line(tiny_model_dir, tmp_path: Path) -> None:
     assert "Traceback" not in out, out[-3000:]
     failed = [line for line in out.splitlines() if "demo request failed" in line]
     assert len(failed) == 1 and "INVALID_ARGUMENT" in failed[0], out[-3000:]
-    assert _wait_gone(lambda: _services_of(port), 30) == []
+    assert _wait_gone(lambda: _services_of(port, registry_port), 30) == []

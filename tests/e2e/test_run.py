@@ -14,8 +14,9 @@ from pathlib import Path
 from common.procs import free_port
 
 
-def _services_of(port: int) -> list[int]:
-    """Pids of live processes started for the stack whose gateway is on ``port``."""
+def _services_of(*ports: int) -> list[int]:
+    """Pids of live processes started for the stack whose gateway is on ``ports`` (its public
+    and registry ports: workers name the registry in ``--gateway``)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -24,8 +25,8 @@ def _services_of(port: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "services.cli serve" in cmdline and (
-            f"--port {port}" in cmdline or f"127.0.0.1:{port}" in cmdline
+        if "services.cli serve" in cmdline and any(
+            f"--port {port}" in cmdline or f"127.0.0.1:{port}" in cmdline for port in ports
         ):
             found.append(int(entry.name))
     return found
@@ -49,11 +50,21 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> str:
 
 
 def test_run_answers_the_demo_and_stops_everything_on_sigterm(tmp_path: Path) -> None:
-    port = free_port()
+    port, registry_port = free_port(), free_port()
+    ports = (port, registry_port)
     epd = Path(sys.executable).parent / "epd"
     command = [str(epd)] if epd.exists() else [sys.executable, "-m", "services.cli"]
     proc = subprocess.Popen(
-        [*command, "run", "--gateway-port", str(port), "--log-dir", str(tmp_path)],
+        [
+            *command,
+            "run",
+            "--gateway-port",
+            str(port),
+            "--registry-port",
+            str(registry_port),
+            "--log-dir",
+            str(tmp_path),
+        ],  # fmt: skip
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -63,15 +74,16 @@ def test_run_answers_the_demo_and_stops_everything_on_sigterm(tmp_path: Path) ->
         out = _read_until(proc, "serving on", 240.0)
         assert "answer:" in out and "finish:" in out, out[-3000:]
         assert "serving on" in out, out[-3000:]
-        assert len(_services_of(port)) == 3  # gateway, encoder, language
+        assert f"worker registry on 127.0.0.1:{registry_port}" in out, out[-3000:]
+        assert len(_services_of(*ports)) == 3  # gateway, encoder, language
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         deadline = time.monotonic() + 20
-        while _services_of(port) and time.monotonic() < deadline:
+        while _services_of(*ports) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _services_of(port) == []
+        assert _services_of(*ports) == []
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in _services_of(port):  # never leave a stack behind, even on failure
+        for pid in _services_of(*ports):  # never leave a stack behind, even on failure
             os.kill(pid, signal.SIGKILL)
