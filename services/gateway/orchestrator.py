@@ -29,7 +29,6 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.registry import Role, Worker, WorkerRegistry
 from services.gateway.routing import BasePolicy, RoutingKey
 
-ROLES_ALLOWED = ("system", "user", "assistant")
 RETRY_ENCODER_CODES = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -45,34 +44,6 @@ class Dispatch:
     encoder: Worker | None
     sent_at: float
     call: object  # the language worker's streaming call
-
-
-def validate(request: gateway_pb2.GenerateRequest) -> None:
-    if not request.messages:
-        raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty")
-    for i, message in enumerate(request.messages):
-        if message.role not in ROLES_ALLOWED:
-            raise GatewayError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"messages[{i}].role {message.role!r} is not one of {', '.join(ROLES_ALLOWED)}",
-            )
-        for j, part in enumerate(message.content):
-            which = part.WhichOneof("part")
-            if which is None:
-                raise GatewayError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].content[{j}] is empty"
-                )
-            if which == "image" and part.image.WhichOneof("source") is None:
-                raise GatewayError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"messages[{i}].content[{j}].image has no source",
-                )
-    s = request.sampling
-    if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < -1:
-        raise GatewayError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "sampling: temperature must be >= 0, top_p in [0, 1], top_k >= -1",
-        )
 
 
 def _status_from_rpc(exc: grpc.RpcError, who: str) -> GatewayError:
@@ -101,8 +72,8 @@ class Orchestrator:
     def run(
         self, request: gateway_pb2.GenerateRequest, admitted: Admitted, deadline: float
     ) -> Iterator[gateway_pb2.GenerateChunk]:
-        """Stream the answer to ``request``; raises ``GatewayError`` with the terminal status."""
-        validate(request)
+        """Stream the answer to a validated ``request``; raises ``GatewayError`` with the
+        terminal status."""
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         if not sampling.max_new_tokens:

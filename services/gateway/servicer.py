@@ -1,4 +1,8 @@
-"""Thin gRPC servicers of the gateway: the public API and the worker registry."""
+"""Thin gRPC servicers of the gateway: the public API and the worker registry.
+
+Every public request is validated (``validation.validate_request``) before it is admitted, so a
+bad one costs no admission slot and is counted under its status like any other outcome.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from services.gateway.errors import GatewayError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.registry import ROLES, Role, WorkerRegistry
+from services.gateway.validation import RequestLimits, validate_request
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -27,8 +32,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.orchestrator = orchestrator
         self.registry = registry
         self.metrics = metrics
+        self.limits = RequestLimits.from_config(config)
 
     def Generate(self, request, context):  # noqa: N802
+        try:
+            validate_request(request, self.limits)
+        except GatewayError as exc:
+            self.metrics.requests.labels(exc.code.name).inc()
+            context.abort(exc.code, exc.message)
         try:
             admitted = self.admission.admit(request.request_id)
         except QueueFull as exc:
