@@ -8,12 +8,17 @@ parameters. If the encoder refuses or is unreachable before anything was transfe
 language half is cancelled (which frees its room) and the request is retried on the next encoder
 with a fresh room. The language stream is the request's single source of truth: every request
 ends with exactly one terminal status.
+
+Ids: every call to a worker carries an id the gateway draws itself (a uuid per call). The
+client's ``request_id`` only keys the admission table and is echoed in the answer, so no client
+id can reach, replace or abort another request on a worker.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -44,6 +49,11 @@ class Dispatch:
     encoder: Worker | None
     sent_at: float
     call: object  # the language worker's streaming call
+
+
+def new_call_id() -> str:
+    """The id of one call the gateway makes to a worker."""
+    return uuid.uuid4().hex
 
 
 def _status_from_rpc(exc: grpc.RpcError, who: str) -> GatewayError:
@@ -84,7 +94,7 @@ class Orchestrator:
             self.metrics.routing.labels("encoder", "text_only").inc()
             call = calls.generate(
                 language,
-                admitted.request_id,
+                new_call_id(),
                 sampling,
                 self._remaining(deadline),
                 messages=request.messages,
@@ -143,13 +153,12 @@ class Orchestrator:
                 )
                 continue
             room = secrets.randbits(63) or 1
-            lang_id = admitted.request_id if attempt == 0 else f"{admitted.request_id}#{attempt}"
             timeout_s = self._remaining(deadline)
             call = calls.generate(
-                language, lang_id, sampling, timeout_s, room=room, encoder_endpoint=endpoint
+                language, new_call_id(), sampling, timeout_s, room=room, encoder_endpoint=endpoint
             )
             admitted.on_cancel(call.cancel)
-            encoded = calls.encode(encoder, room, admitted.request_id, request.messages, timeout_s)
+            encoded = calls.encode(encoder, room, new_call_id(), request.messages, timeout_s)
             admitted.on_cancel(encoded.cancel)
             try:
                 encoded.result()

@@ -2,9 +2,14 @@
 
 Every public request is validated (``validation.validate_request``) before it is admitted, so a
 bad one costs no admission slot and is counted under its status like any other outcome.
+A caller's identity (``caller_identity``) is the SHA-256 of its API key when it sends one
+(``authorization: Bearer KEY``), else its peer address; ``Abort`` reaches only the caller's own
+requests.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import grpc
 
@@ -15,7 +20,17 @@ from services.gateway.errors import GatewayError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.registry import ROLES, Role, WorkerRegistry
-from services.gateway.validation import RequestLimits, validate_request
+from services.gateway.validation import RequestLimits, validate_request, validate_request_id
+
+
+def caller_identity(context: grpc.ServicerContext) -> str:
+    """Who is calling: ``key:<sha256 of the bearer API key>``, else ``peer:<peer address>``."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, token = value.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()
+    return "peer:" + context.peer()
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -41,7 +56,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.metrics.requests.labels(exc.code.name).inc()
             context.abort(exc.code, exc.message)
         try:
-            admitted = self.admission.admit(request.request_id)
+            admitted = self.admission.admit(request.request_id, caller_identity(context))
         except QueueFull as exc:
             self.metrics.requests.labels("RESOURCE_EXHAUSTED").inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -81,10 +96,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return reply
 
     def Abort(self, request, context):  # noqa: N802
-        if not request.request_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        if not self.admission.abort(request.request_id):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} in flight")
+        """Abort a live request of this caller; NOT_FOUND for any other id (another caller's
+        requests are not visible)."""
+        try:
+            validate_request_id(request.request_id, self.limits, required=True)
+        except GatewayError as exc:
+            context.abort(exc.code, exc.message)
+        if not self.admission.abort(request.request_id, caller_identity(context)):
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no request {request.request_id!r} of this caller in flight",
+            )
         return gateway_pb2.AbortResponse(aborted=True)
 
 
