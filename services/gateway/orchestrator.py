@@ -1,17 +1,26 @@
 """One request's path through the pools.
 
-Text only: a language worker is chosen (cache-aware, then load) and streams the answer.
-With images: the gateway creates a room (a random 63-bit id), chooses an encoder (image
-affinity, then load) and a language worker, and starts both halves at once — the encoder gets
-the messages, the language worker the room, the encoder's transfer endpoint and the sampling
-parameters. If the encoder refuses or is unreachable before anything was transferred, the
-language half is cancelled (which frees its room) and the request is retried on the next encoder
-with a fresh room. The language stream is the request's single source of truth: every request
-ends with exactly one terminal status.
+The request arrives validated (``validation.py``). Language workers are ordered by their policy
+(cache-aware, then load) and only those whose ``max_seq_len`` leaves room for
+``max_new_tokens`` are kept.
+
+Text only: the first language worker streams the answer from the messages.
+
+With images: the gateway pairs a language worker with encoders that share its transfer layout
+(``routing.pair``: the language worker first, then only encoders whose rows fit its blocks),
+creates a room (a random 63-bit id) and starts both halves at once — the encoder gets the
+messages, the time the request has left and the prompt budget (the language worker's
+``max_seq_len`` minus ``max_new_tokens``), the language worker the room, the encoder's transfer
+endpoint and the sampling parameters. If the encoder refuses or is unreachable before anything
+was transferred, the language half is cancelled (which frees its room) and the request is
+retried on the next encoder with a fresh room.
 
 Ids: every call to a worker carries an id the gateway draws itself (a uuid per call). The
 client's ``request_id`` only keys the admission table and is echoed in the answer, so no client
 id can reach, replace or abort another request on a worker.
+
+The language stream is the request's single source of truth: every request ends with exactly
+one terminal status.
 """
 
 from __future__ import annotations
@@ -32,13 +41,18 @@ from services.gateway.errors import GatewayError
 from services.gateway.keys import num_images, routing_key
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.registry import Role, Worker, WorkerRegistry
-from services.gateway.routing import BasePolicy, RoutingKey
+from services.gateway.routing import BasePolicy, RoutingKey, no_pair_message, pair
 
 RETRY_ENCODER_CODES = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.ALREADY_EXISTS,
 )
+
+
+def new_call_id() -> str:
+    """The id of one call the gateway makes to a worker."""
+    return uuid.uuid4().hex
 
 
 @dataclass
@@ -51,16 +65,16 @@ class Dispatch:
     call: object  # the language worker's streaming call
 
 
-def new_call_id() -> str:
-    """The id of one call the gateway makes to a worker."""
-    return uuid.uuid4().hex
-
-
 def _status_from_rpc(exc: grpc.RpcError, who: str) -> GatewayError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     if code == grpc.StatusCode.CANCELLED:  # not by the client (callers check): channel closed
         code = grpc.StatusCode.UNAVAILABLE
     return GatewayError(code, f"{who}: {exc.details() if hasattr(exc, 'details') else exc}")
+
+
+def max_seq_len(worker: Worker) -> int:
+    """The longest prompt + completion ``worker`` takes; 0 when it does not say."""
+    return int(worker.descriptor.get("max_seq_len", 0) or 0)
 
 
 class Orchestrator:
@@ -89,8 +103,10 @@ class Orchestrator:
         if not sampling.max_new_tokens:
             sampling.max_new_tokens = self.config.default_max_new_tokens
         key = routing_key(list(request.messages))
-        language = self._choose(Role.LANGUAGE, key)[0]
+        languages, reason = self._order(Role.LANGUAGE, self.registry.healthy(Role.LANGUAGE), key)
+        languages = self._fitting(languages, sampling.max_new_tokens, request.sampling)
         if num_images(list(request.messages)) == 0:
+            language = languages[0]
             self.metrics.routing.labels("encoder", "text_only").inc()
             call = calls.generate(
                 language,
@@ -102,20 +118,56 @@ class Orchestrator:
             admitted.on_cancel(call.cancel)  # Abort and client cancel reach the language worker
             dispatch = Dispatch(language, None, time.monotonic(), call)
         else:
+            language, encoders = self._pair(languages, key)
+            if language is not languages[0]:
+                reason = "layout"
             dispatch = self._dispatch_with_images(
-                request, sampling, key, language, admitted, deadline
+                request, sampling, key, language, encoders, admitted, deadline
             )
+        self.metrics.routing.labels("language", reason).inc()
         self.language_policy.on_routed(language, key)
         yield from self._stream(dispatch, admitted)
 
     # ---- routing ------------------------------------------------------------------------
-    def _choose(self, role: Role, key: RoutingKey) -> list[Worker]:
+    def _order(
+        self, role: Role, workers: list[Worker], key: RoutingKey
+    ) -> tuple[list[Worker], str]:
         policy = self.encoder_policy if role == Role.ENCODER else self.language_policy
-        ordered, reason = policy.choose(self.registry.healthy(role), key)
+        ordered, reason = policy.choose(workers, key)
         if not ordered:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role.value} worker")
-        self.metrics.routing.labels(role.value, reason).inc()
-        return ordered
+        return ordered, reason
+
+    def _fitting(
+        self, languages: list[Worker], max_new_tokens: int, asked: common_pb2.SamplingParams
+    ) -> list[Worker]:
+        """The language workers with room for ``max_new_tokens`` beside at least one prompt
+        token (workers that do not advertise ``max_seq_len`` always qualify)."""
+        fits = [w for w in languages if not max_seq_len(w) or max_seq_len(w) > max_new_tokens]
+        if fits:
+            return fits
+        best = max(languages, key=max_seq_len)
+        origin = "" if asked.max_new_tokens else " (the gateway's default)"
+        raise GatewayError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"sampling.max_new_tokens is {max_new_tokens}{origin}, but the longest sequence a "
+            f"language worker takes is max_seq_len {max_seq_len(best)} ({best.address}), "
+            f"prompt included",
+        )
+
+    def _pair(self, languages: list[Worker], key: RoutingKey) -> tuple[Worker, list[Worker]]:
+        """The preferred language worker that has encoders of its transfer layout, and those
+        encoders in the encoder policy's order."""
+        encoders = self.registry.healthy(Role.ENCODER)
+        if not encoders:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no healthy encoder worker")
+        paired = pair(languages, encoders)
+        if paired is None:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, no_pair_message(languages, encoders))
+        language, fits = paired
+        ordered, reason = self._order(Role.ENCODER, fits, key)
+        self.metrics.routing.labels("encoder", reason).inc()
+        return language, ordered
 
     def _remaining(self, deadline: float) -> float:
         remaining = deadline - time.monotonic()
@@ -133,16 +185,18 @@ class Orchestrator:
 
     def _dispatch_with_images(
         self,
-        request,
-        sampling,
+        request: gateway_pb2.GenerateRequest,
+        sampling: common_pb2.SamplingParams,
         key: RoutingKey,
         language: Worker,
+        encoders: list[Worker],
         admitted: Admitted,
         deadline: float,
     ) -> Dispatch:
-        encoders = self._choose(Role.ENCODER, key)[: 1 + self.config.encoder_retries]
+        budget = max_seq_len(language)
+        max_prompt_tokens = budget - sampling.max_new_tokens if budget else 0
         last_error: GatewayError | None = None
-        for attempt, encoder in enumerate(encoders):
+        for attempt, encoder in enumerate(encoders[: 1 + self.config.encoder_retries]):
             if attempt:
                 self.metrics.routing.labels("encoder", "retry").inc()
             endpoint = self._transfer_endpoint(encoder)
@@ -158,7 +212,9 @@ class Orchestrator:
                 language, new_call_id(), sampling, timeout_s, room=room, encoder_endpoint=endpoint
             )
             admitted.on_cancel(call.cancel)
-            encoded = calls.encode(encoder, room, new_call_id(), request.messages, timeout_s)
+            encoded = calls.encode(
+                encoder, room, new_call_id(), request.messages, timeout_s, max_prompt_tokens
+            )
             admitted.on_cancel(encoded.cancel)
             try:
                 encoded.result()

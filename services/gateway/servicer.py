@@ -13,13 +13,20 @@ import hashlib
 
 import grpc
 
-from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
+from protos.epd.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+)
 from services.gateway.admission import Admission, DuplicateRequest, QueueFull
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.registry import ROLES, Role, WorkerRegistry
+from services.gateway.routing import worker_problems
 from services.gateway.validation import RequestLimits, validate_request, validate_request_id
 
 
@@ -130,7 +137,7 @@ class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
             dict(request.load),
             dict(request.info),
             {
-                "transfer_layout": request.transfer_layout,
+                "transfer_layout": _copy_layout(request.transfer_layout),
                 "max_prompt_tokens": request.max_prompt_tokens,
                 "max_seq_len": request.max_seq_len,
             },
@@ -142,6 +149,8 @@ class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
         return registry_pb2.DeregisterResponse()
 
     def ListWorkers(self, request, context):  # noqa: N802
+        workers = self.registry.all()
+        problems = worker_problems(workers)
         return registry_pb2.ListWorkersResponse(
             workers=[
                 registry_pb2.WorkerInfo(
@@ -154,8 +163,15 @@ class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
                     load=w.load,
                     static=w.static,
                     info=w.info,
+                    problem=problems.get(w.address, ""),
                     **w.descriptor,
                 )
-                for w in sorted(self.registry.all(), key=lambda w: (w.role.value, w.address))
+                for w in sorted(workers, key=lambda w: (w.role.value, w.address))
             ]
         )
+
+
+def _copy_layout(layout: common_pb2.TransferLayout) -> common_pb2.TransferLayout:
+    copy = common_pb2.TransferLayout()
+    copy.CopyFrom(layout)
+    return copy

@@ -19,6 +19,8 @@ from protos.epd.v1 import (
 )
 from services.gateway.registry import Role, Worker
 
+MAX_UINT32 = (1 << 32) - 1
+
 
 def create_channel(address: str, max_message_mb: int = 64) -> grpc.Channel:
     max_bytes = max_message_mb << 20
@@ -33,10 +35,26 @@ def create_channel(address: str, max_message_mb: int = 64) -> grpc.Channel:
     )
 
 
-def encode(worker: Worker, room: int, request_id: str, messages, timeout_s: float) -> grpc.Future:
-    """Start ``Encoder.Encode``; the future resolves once the encoder accepted or refused."""
+def encode(
+    worker: Worker,
+    room: int,
+    request_id: str,
+    messages,
+    timeout_s: float,
+    max_prompt_tokens: int = 0,
+) -> grpc.Future:
+    """Start ``Encoder.Encode``; the future resolves once the encoder accepted or refused.
+
+    ``timeout_s`` is the time the request has left (the encoder fails the room once it passed);
+    ``max_prompt_tokens`` (0 = the encoder's own limit) is what the chosen language worker can
+    hold beside the completion, so an over-long prompt is refused before any pixel work.
+    """
     stub = encoder_pb2_grpc.EncoderStub(worker.channel)
-    request = encoder_pb2.EncodeRequest(room=room, request_id=request_id, messages=messages)
+    request = encoder_pb2.EncodeRequest(
+        room=room, request_id=request_id, messages=messages, timeout_s=timeout_s
+    )
+    if max_prompt_tokens:
+        request.limits.max_prompt_tokens = min(max_prompt_tokens, MAX_UINT32)
     return stub.Encode.future(request, timeout=timeout_s)
 
 

@@ -13,17 +13,14 @@ from protos.epd.v1 import gateway_pb2_grpc
 from protos.epd.v1.gateway_pb2 import AbortRequest
 from services.gateway.client import build_request
 from services.gateway.config import GatewayConfig
-from services.gateway.server import serve
 from services.gateway.servicer import caller_identity
 
 
 @pytest.fixture
-def gateway():
-    handle = serve(GatewayConfig(port=0, max_queued=1, max_images=2))
-    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
-    yield handle, gateway_pb2_grpc.GatewayStub(channel)
-    channel.close()
-    handle.stop(0)
+def gateway(gateway_factory):
+    handle = gateway_factory(GatewayConfig(max_queued=1, max_images=2))
+    with grpc.insecure_channel(handle.address) as channel:
+        yield handle, gateway_pb2_grpc.GatewayStub(channel)
 
 
 def outcomes(handle) -> dict[str, float]:
