@@ -19,6 +19,12 @@ Ids: every call to a worker carries an id the gateway draws itself (a uuid per c
 client's ``request_id`` only keys the admission table and is echoed in the answer, so no client
 id can reach, replace or abort another request on a worker.
 
+Cancellation: once an encoder accepted a room, the room is cancelled there (``Encoder.Cancel``,
+best effort) when the request ends before the language worker streamed anything — the language
+half refused or failed, the client cancelled, the deadline passed — so the encoder drops the
+work and frees its blocks at once instead of at a transfer timeout. The first chunk from the
+language worker means the transfer completed; from then on nothing is cancelled on the encoder.
+
 The language stream is the request's single source of truth: every request ends with exactly
 one terminal status.
 """
@@ -26,10 +32,12 @@ one terminal status.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 
@@ -48,11 +56,46 @@ RETRY_ENCODER_CODES = (
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.ALREADY_EXISTS,
 )
+# Encode refusals after which the encoder already failed the room itself (ALREADY_EXISTS: the
+# room id is another request's, which must not be cancelled).
+ENCODER_REFUSED_CODES = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ALREADY_EXISTS,
+)
+
+
+# Final chunks after which the encoder may still hold the room (the transfer did not finish).
+UNDELIVERED = (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT)
 
 
 def new_call_id() -> str:
     """The id of one call the gateway makes to a worker."""
     return uuid.uuid4().hex
+
+
+class EncoderRoom:
+    """A room an encoder accepted. Cancelled there at most once, and never once delivered."""
+
+    def __init__(self, encoder: Worker, room: int) -> None:
+        self.encoder = encoder
+        self.room = room
+        self._open = True
+        self._lock = threading.Lock()
+
+    def delivered(self) -> None:
+        """The language worker has the whole prompt: the encoder is done with the room."""
+        with self._lock:
+            self._open = False
+
+    def cancel(self, reason: str) -> bool:
+        """Ask the encoder to drop the room (non-blocking); False when delivered or done."""
+        with self._lock:
+            if not self._open:
+                return False
+            self._open = False
+        calls.cancel_room(self.encoder, self.room, reason)
+        return True
 
 
 @dataclass
@@ -63,6 +106,7 @@ class Dispatch:
     encoder: Worker | None
     sent_at: float
     call: object  # the language worker's streaming call
+    room: EncoderRoom | None = None
 
 
 def _status_from_rpc(exc: grpc.RpcError, who: str) -> GatewayError:
@@ -218,16 +262,22 @@ class Orchestrator:
             admitted.on_cancel(encoded.cancel)
             try:
                 encoded.result()
-            except grpc.RpcError as exc:
+            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                # NOTE: FutureCancelledError: the request was cancelled while Encode was in flight
                 call.cancel()  # the language worker aborts the room and frees its blocks
-                last_error = _status_from_rpc(exc, f"encoder {encoder.address}")
                 if admitted.cancelled:
+                    calls.cancel_room(encoder, room, "request cancelled")
                     raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted") from None
+                last_error = _status_from_rpc(exc, f"encoder {encoder.address}")
+                if last_error.code not in ENCODER_REFUSED_CODES:  # it may have accepted it
+                    calls.cancel_room(encoder, room, f"encode call failed: {last_error.code.name}")
                 if last_error.code in RETRY_ENCODER_CODES:
                     continue
                 raise last_error from None
+            accepted = EncoderRoom(encoder, room)
+            admitted.on_cancel(partial(accepted.cancel, "request cancelled"))
             self.encoder_policy.on_routed(encoder, key)
-            return Dispatch(language, encoder, time.monotonic(), call)
+            return Dispatch(language, encoder, time.monotonic(), call, accepted)
         assert last_error is not None
         raise last_error
 
@@ -241,8 +291,11 @@ class Orchestrator:
         for w in workers:
             self.registry.acquire(w)
         first_token_at = last_token_at = 0.0
+        failure = "the request ended before the language worker answered"
         try:
             for chunk in dispatch.call:
+                if dispatch.room is not None and chunk.finish_reason not in UNDELIVERED:
+                    dispatch.room.delivered()  # a token or a normal finish: the prompt arrived
                 now = time.monotonic()
                 if chunk.token_ids:
                     if not first_token_at:
@@ -255,20 +308,27 @@ class Orchestrator:
                     request_id=admitted.request_id, text=chunk.text, token_ids=chunk.token_ids
                 )
                 if chunk.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    failure = f"language worker failed: {chunk.error or 'error'}"
                     raise GatewayError(
                         grpc.StatusCode.UNAVAILABLE,
                         f"language worker {dispatch.language.address}: {chunk.error or 'failed'}",
                     )
                 if chunk.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                    failure = "request aborted"
                     raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted")
                 if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     self._finalize(out, chunk, dispatch, start, first_token_at)
                 yield out
         except grpc.RpcError as exc:
             if admitted.cancelled:
+                failure = "request cancelled"
                 raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted") from None
-            raise _status_from_rpc(exc, f"language worker {dispatch.language.address}") from None
+            error = _status_from_rpc(exc, f"language worker {dispatch.language.address}")
+            failure = f"language worker refused or failed: {error.code.name}"
+            raise error from None
         finally:
+            if dispatch.room is not None:
+                dispatch.room.cancel(failure)  # a no-op once the prompt was delivered
             for w in workers:
                 self.registry.release(w)
             dispatch.call.cancel()

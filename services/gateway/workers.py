@@ -6,6 +6,8 @@ back as ``grpc.RpcError``; deciding what they mean is the orchestrator's job.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -19,7 +21,9 @@ from protos.epd.v1 import (
 )
 from services.gateway.registry import Role, Worker
 
+logger = logging.getLogger(__name__)
 MAX_UINT32 = (1 << 32) - 1
+CANCEL_TIMEOUT_S = 1.0  # a cancel is a courtesy to the encoder; never wait long for it
 
 
 def create_channel(address: str, max_message_mb: int = 64) -> grpc.Channel:
@@ -56,6 +60,22 @@ def encode(
     if max_prompt_tokens:
         request.limits.max_prompt_tokens = min(max_prompt_tokens, MAX_UINT32)
     return stub.Encode.future(request, timeout=timeout_s)
+
+
+def cancel_room(worker: Worker, room: int, reason: str, timeout_s: float = CANCEL_TIMEOUT_S):
+    """Best effort ``Encoder.Cancel``: returns at once; a failure is only logged."""
+    stub = encoder_pb2_grpc.EncoderStub(worker.channel)
+    future = stub.Cancel.future(
+        encoder_pb2.CancelRequest(room=room, reason=reason), timeout=timeout_s
+    )
+
+    def done(f: grpc.Future) -> None:
+        error = "cancelled" if f.cancelled() else f.exception()
+        if error is not None:
+            logger.info("cancel of room %d on encoder %s failed: %s", room, worker.address, error)
+
+    future.add_done_callback(done)
+    return future
 
 
 def generate(
