@@ -62,12 +62,18 @@ def encode(
     return stub.Encode.future(request, timeout=timeout_s)
 
 
-def cancel_room(worker: Worker, room: int, reason: str, timeout_s: float = CANCEL_TIMEOUT_S):
+def cancel_room(
+    worker: Worker, room: int, reason: str, timeout_s: float = CANCEL_TIMEOUT_S
+) -> grpc.Future | None:
     """Best effort ``Encoder.Cancel``: returns at once; a failure is only logged."""
     stub = encoder_pb2_grpc.EncoderStub(worker.channel)
-    future = stub.Cancel.future(
-        encoder_pb2.CancelRequest(room=room, reason=reason), timeout=timeout_s
-    )
+    try:
+        future = stub.Cancel.future(
+            encoder_pb2.CancelRequest(room=room, reason=reason), timeout=timeout_s
+        )
+    except ValueError as exc:  # the worker was dropped and its channel closed meanwhile
+        logger.info("cancel of room %d on encoder %s not sent: %s", room, worker.address, exc)
+        return None
 
     def done(f: grpc.Future) -> None:
         error = "cancelled" if f.cancelled() else f.exception()

@@ -24,7 +24,8 @@ from protos.epd.v1 import (
     language_pb2_grpc,
 )
 from services.gateway.client import build_request
-from services.gateway.registry import Role
+from services.gateway.registry import Role, Worker
+from services.gateway.workers import cancel_room
 
 LAYOUT = common_pb2.TransferLayout(hidden_size=128, dtype="bfloat16", block_size=128)
 IMAGE = b"\x89PNG fake"  # the scripted encoder never decodes it
@@ -185,3 +186,10 @@ def test_max_new_tokens_that_cannot_fit_is_refused_before_any_worker_call(pools)
     assert "max_new_tokens is 1000" in info.value.details()
     assert "max_seq_len 1000" in info.value.details()
     assert encoder.encoded == [] and language.requests == []
+
+
+def test_cancel_on_a_dropped_worker_is_a_no_op() -> None:
+    channel = grpc.insecure_channel("127.0.0.1:1")
+    channel.close()  # the registry closes a dropped worker's channel
+    worker = Worker("127.0.0.1:1", Role.ENCODER, 8, False, channel)
+    assert cancel_room(worker, 5, "request cancelled") is None
