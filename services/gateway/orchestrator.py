@@ -152,12 +152,8 @@ class Orchestrator:
         if num_images(list(request.messages)) == 0:
             language = languages[0]
             self.metrics.routing.labels("encoder", "text_only").inc()
-            call = calls.generate(
-                language,
-                new_call_id(),
-                sampling,
-                self._remaining(deadline),
-                messages=request.messages,
+            call = self._start_language(
+                language, sampling, self._remaining(deadline), messages=request.messages
             )
             admitted.on_cancel(call.cancel)  # Abort and client cancel reach the language worker
             dispatch = Dispatch(language, None, time.monotonic(), call)
@@ -219,6 +215,12 @@ class Orchestrator:
             raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         return remaining
 
+    def _start_language(self, language: Worker, sampling, timeout_s: float, **kw):
+        try:
+            return calls.generate(language, new_call_id(), sampling, timeout_s, **kw)
+        except grpc.RpcError as exc:  # it left the pool since it was chosen
+            raise _status_from_rpc(exc, f"language worker {language.address}") from None
+
     def _transfer_endpoint(self, encoder: Worker) -> str:
         endpoint = encoder.info.get("transfer_endpoint", "")
         if not endpoint:  # a static encoder not polled yet
@@ -252,15 +254,15 @@ class Orchestrator:
                 continue
             room = secrets.randbits(63) or 1
             timeout_s = self._remaining(deadline)
-            call = calls.generate(
-                language, new_call_id(), sampling, timeout_s, room=room, encoder_endpoint=endpoint
+            call = self._start_language(
+                language, sampling, timeout_s, room=room, encoder_endpoint=endpoint
             )
             admitted.on_cancel(call.cancel)
-            encoded = calls.encode(
-                encoder, room, new_call_id(), request.messages, timeout_s, max_prompt_tokens
-            )
-            admitted.on_cancel(encoded.cancel)
             try:
+                encoded = calls.encode(
+                    encoder, room, new_call_id(), request.messages, timeout_s, max_prompt_tokens
+                )
+                admitted.on_cancel(encoded.cancel)
                 encoded.result()
             except (grpc.RpcError, grpc.FutureCancelledError) as exc:
                 # NOTE: FutureCancelledError: the request was cancelled while Encode was in flight

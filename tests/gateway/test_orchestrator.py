@@ -24,8 +24,15 @@ from protos.epd.v1 import (
     language_pb2_grpc,
 )
 from services.gateway.client import build_request
-from services.gateway.registry import Role, Worker
-from services.gateway.workers import cancel_room
+from services.gateway.registry import Role, WorkerRegistry
+from services.gateway.workers import (
+    WorkerGone,
+    cancel_room,
+    create_channel,
+    encode,
+    generate,
+    poll,
+)
 
 LAYOUT = common_pb2.TransferLayout(hidden_size=128, dtype="bfloat16", block_size=128)
 IMAGE = b"\x89PNG fake"  # the scripted encoder never decodes it
@@ -188,8 +195,19 @@ def test_max_new_tokens_that_cannot_fit_is_refused_before_any_worker_call(pools)
     assert encoder.encoded == [] and language.requests == []
 
 
-def test_cancel_on_a_dropped_worker_is_a_no_op() -> None:
-    channel = grpc.insecure_channel("127.0.0.1:1")
-    channel.close()  # the registry closes a dropped worker's channel
-    worker = Worker("127.0.0.1:1", Role.ENCODER, 8, False, channel)
-    assert cancel_room(worker, 5, "request cancelled") is None
+def test_calls_to_a_dropped_worker_fail_cleanly() -> None:
+    """The registry closes a dropped worker's channel while requests may still hold the worker;
+    calls through it then fail as UNAVAILABLE (and a cancel is skipped), the process lives on."""
+    registry = WorkerRegistry(5.0, create_channel)
+    for address, role in (("127.0.0.1:1", Role.ENCODER), ("127.0.0.1:2", Role.LANGUAGE)):
+        registry.heartbeat(address, role, 8, {})
+    encoder, language = sorted(registry.all(), key=lambda w: w.address)
+    assert registry.deregister(encoder.address) and registry.deregister(language.address)
+    assert cancel_room(encoder, 5, "request cancelled") is None
+    with pytest.raises(WorkerGone) as info:
+        encode(encoder, 5, "id", [], 1.0)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "127.0.0.1:1 left the pool" in info.value.details()
+    with pytest.raises(WorkerGone):
+        generate(language, "id", common_pb2.SamplingParams(), 1.0)
+    assert poll(encoder, 1.0) == (False, {}, {}, {})

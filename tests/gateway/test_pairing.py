@@ -23,7 +23,7 @@ from services.gateway.routing import (
     transfer_layout,
     worker_problems,
 )
-from tests.gateway.test_routing import FakeChannel
+from tests.gateway.test_routing import FakeChannel, no_stubs
 
 BF16 = common_pb2.TransferLayout(
     hidden_size=3584, num_deepstack=0, dtype="bfloat16", block_size=128
@@ -111,7 +111,7 @@ def test_worker_problems_say_why_a_worker_gets_no_traffic() -> None:
 
 
 def make_orchestrator(workers: list[Worker]) -> Orchestrator:
-    registry = WorkerRegistry(5.0, FakeChannel)
+    registry = WorkerRegistry(5.0, FakeChannel, stub_factory=no_stubs)
     for w in workers:
         info = {"transfer_endpoint": "tcp://x"}
         registry.heartbeat(w.address, w.role, 8, {}, info, w.descriptor)
