@@ -147,8 +147,8 @@ class Orchestrator:
         if not sampling.max_new_tokens:
             sampling.max_new_tokens = self.config.default_max_new_tokens
         key = routing_key(list(request.messages))
-        languages, reason = self._order(Role.LANGUAGE, self.registry.healthy(Role.LANGUAGE), key)
-        languages = self._fitting(languages, sampling.max_new_tokens, request.sampling)
+        ordered, reason = self._order(Role.LANGUAGE, self.registry.healthy(Role.LANGUAGE), key)
+        languages = self._fitting(ordered, sampling.max_new_tokens, request.sampling)
         if num_images(list(request.messages)) == 0:
             language = languages[0]
             self.metrics.routing.labels("encoder", "text_only").inc()
@@ -159,11 +159,11 @@ class Orchestrator:
             dispatch = Dispatch(language, None, time.monotonic(), call)
         else:
             language, encoders = self._pair(languages, key)
-            if language is not languages[0]:
-                reason = "layout"
             dispatch = self._dispatch_with_images(
                 request, sampling, key, language, encoders, admitted, deadline
             )
+        if language is not ordered[0]:  # the policy's choice cannot take it
+            reason = "layout" if language is not languages[0] else "max_seq_len"
         self.metrics.routing.labels("language", reason).inc()
         self.language_policy.on_routed(language, key)
         yield from self._stream(dispatch, admitted)
