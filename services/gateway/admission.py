@@ -4,6 +4,12 @@ A request is admitted only while fewer than ``max_queued`` are in flight; beyond
 gateway answers RESOURCE_EXHAUSTED at once instead of queueing without bound. Each admitted
 request registers the calls it made on workers so that ``Abort`` (or the client going away)
 cancels all of them.
+
+The table is keyed by the client's request id (one is drawn when the client sends none): a
+second request with the id of a live one is refused (``DuplicateRequest``) and the live one is
+untouched. Each entry remembers its owner, the caller's identity (``servicer.caller_identity``):
+``abort`` only reaches a request of the same owner, and to anyone else such a request does not
+exist. The ids the gateway uses with workers are its own (``orchestrator.new_call_id``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class Admitted:
     """One request in flight."""
 
     request_id: str
+    owner: str = ""  # who may abort it: a hashed API key or the caller's peer address
     admitted_at: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     _cancels: list[Callable[[], object]] = field(default_factory=list)
@@ -55,24 +62,26 @@ class Admission:
         self._lock = threading.Lock()
         self._in_flight: dict[str, Admitted] = {}
 
-    def admit(self, request_id: str = "") -> Admitted:
+    def admit(self, request_id: str = "", owner: str = "") -> Admitted:
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
-            if len(self._in_flight) >= self._max:
-                raise QueueFull(f"gateway queue is full ({self._max} requests in flight)")
             if request_id in self._in_flight:
                 raise DuplicateRequest(f"request id {request_id!r} is already in flight")
-            admitted = self._in_flight[request_id] = Admitted(request_id)
+            if len(self._in_flight) >= self._max:
+                raise QueueFull(f"gateway queue is full ({self._max} requests in flight)")
+            admitted = self._in_flight[request_id] = Admitted(request_id, owner)
         return admitted
 
     def finish(self, admitted: Admitted) -> None:
         with self._lock:
-            self._in_flight.pop(admitted.request_id, None)
+            if self._in_flight.get(admitted.request_id) is admitted:
+                del self._in_flight[admitted.request_id]
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, owner: str = "") -> bool:
+        """Cancel the live request ``request_id`` of ``owner``; False when there is none."""
         with self._lock:
             admitted = self._in_flight.get(request_id)
-        if admitted is None:
+        if admitted is None or admitted.owner != owner:
             return False
         admitted.cancel()
         return True

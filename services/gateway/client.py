@@ -1,18 +1,31 @@
 """A client of the public API, and ``epd generate``.
 
-``epd generate --gateway ADDR [--image PATH ...] --prompt TEXT [--max-tokens N]
-[--temperature T] [--json]``: images are placed before the text in one user message, which the
-checkpoint's own chat template renders with the generation prompt. With ``--json`` one JSON
-object is printed (text, token_ids, finish_reason, usage, timing); on error the exit status is
-non-zero and the gRPC status name and message go to stderr.
+``GatewayClient(addresses, api_key=None, tls_ca=None)`` keeps one long-lived channel per gateway
+address (``"a:p,b:p"`` or a list). A request that fails with ``UNAVAILABLE`` before its gateway
+returned anything (the gateway is down, draining, or has no worker) is sent again to the next
+address, within the same deadline; once a chunk was returned the error surfaces, because tokens
+already handed to the caller cannot be taken back. The address that last answered is tried
+first next time. With an API key every call carries ``authorization: Bearer KEY``; with a CA
+file the channels use TLS. Both are optional: plaintext without a key by default.
+
+``epd generate --gateway ADDR[,ADDR...] [--image PATH ...] --prompt TEXT [--max-tokens N]
+[--temperature T] [--json] [--api-key KEY] [--tls-ca FILE]``: images are placed before the text
+in one user message, which the checkpoint's own chat template renders with the generation
+prompt. The API key may also come from ``EPD_API_KEY``. With ``--json`` one JSON object is
+printed (text, token_ids, finish_reason, usage, timing). Every failure is one line on stderr and
+a non-zero exit: a bad argument or unreadable file (2), a gRPC error as ``CODE: details`` (1).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -20,6 +33,19 @@ import grpc
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_UINT32 = (1 << 32) - 1
+API_KEY_ENV = "EPD_API_KEY"
+USAGE_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+TIMING_FIELDS = (
+    "queue_s",
+    "encode_s",
+    "transfer_s",
+    "prefill_s",
+    "first_token_s",
+    "total_s",
+    "num_transfers",
+    "encoder_cache_hits",
+)
 
 
 def build_request(
@@ -41,63 +67,249 @@ def build_request(
     )
 
 
-class GatewayClient:
-    """One channel to a gateway; a context manager."""
+def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
+    """``"a:1,b:2"`` or ``["a:1", "b:2"]`` -> checked ``host:port`` strings, in order."""
+    items = [addresses] if isinstance(addresses, str) else list(addresses)
+    out = [a.strip() for item in items for a in item.split(",") if a.strip()]
+    if not out:
+        raise ValueError("no gateway address given (host:port)")
+    for address in out:
+        host, sep, port = address.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"gateway address {address!r} is not host:port")
+    return out
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
-        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+def _retryable(exc: grpc.RpcError) -> bool:
+    return isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
+class GatewayClient:
+    """Channels to one or more gateways; a context manager."""
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        api_key: str | None = None,
+        tls_ca: str | Path | bytes | None = None,
+        tls_server_name: str = "",
+    ) -> None:
+        self.addresses = parse_addresses(addresses)
+        credentials = None
+        if tls_ca is not None:
+            roots = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
+            credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        self.channels = [
+            grpc.secure_channel(a, credentials, options=options)
+            if credentials is not None
+            else grpc.insecure_channel(a, options=options)
+            for a in self.addresses
+        ]
+        self.stubs = [gateway_pb2_grpc.GatewayStub(c) for c in self.channels]
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        self._lock = threading.Lock()
+        self._preferred = 0
+        self._serving: dict[str, int] = {}  # request id -> gateway index, while in flight
+
+    @property
+    def stub(self) -> gateway_pb2_grpc.GatewayStub:
+        """The first gateway's stub (direct calls; no retry, no key)."""
+        return self.stubs[0]
 
     def __enter__(self) -> GatewayClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.channel.close()
+        self.close()
 
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+    # ---- attempts across gateways ----------------------------------------------------------
+    def attempt_order(self) -> list[int]:
+        """Gateway indices to try, the one that answered last first."""
+        with self._lock:
+            first = self._preferred
+        n = len(self.addresses)
+        return [(first + i) % n for i in range(n)]
+
+    def _answered(self, index: int) -> None:
+        with self._lock:
+            self._preferred = index
+
+    def _track(self, request_id: str, index: int | None) -> None:
+        if not request_id:
+            return
+        with self._lock:
+            if index is None:
+                self._serving.pop(request_id, None)
+            else:
+                self._serving[request_id] = index
+
+    # ---- the API -----------------------------------------------------------------------------
     def generate_stream(
         self, prompt: str, images: list[bytes] = (), timeout: float | None = None, **kw: object
-    ) -> Iterator[gateway_pb2.GenerateChunk]:
-        return self.stub.Generate(build_request(prompt, list(images), **kw), timeout=timeout)
+    ) -> RetryingStream:
+        return self.stream_request(build_request(prompt, list(images), **kw), timeout)
+
+    def stream_request(
+        self, request: gateway_pb2.GenerateRequest, timeout: float | None = None
+    ) -> RetryingStream:
+        """``Generate`` with retries on the next gateway until the first chunk arrived."""
+        return RetryingStream(self, request, timeout)
 
     def generate(
         self, prompt: str, images: list[bytes] = (), timeout: float | None = None, **kw: object
     ) -> gateway_pb2.GenerateResponse:
-        return self.stub.GenerateUnary(build_request(prompt, list(images), **kw), timeout=timeout)
+        return self.unary_request(build_request(prompt, list(images), **kw), timeout)
 
-    def abort(self, request_id: str) -> bool:
-        reply = self.stub.Abort(gateway_pb2.AbortRequest(request_id=request_id), timeout=5)
-        return reply.aborted
+    def unary_request(
+        self, request: gateway_pb2.GenerateRequest, timeout: float | None = None
+    ) -> gateway_pb2.GenerateResponse:
+        """``GenerateUnary``, sent to the next gateway while they answer UNAVAILABLE."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        order = self.attempt_order()
+        for n, index in enumerate(order):
+            self._track(request.request_id, index)
+            try:
+                reply = self.stubs[index].GenerateUnary(
+                    request, timeout=_left(deadline), metadata=self.metadata
+                )
+            except grpc.RpcError as exc:
+                expired = deadline is not None and time.monotonic() >= deadline
+                if n == len(order) - 1 or expired or not _retryable(exc):
+                    raise
+                continue
+            finally:
+                self._track(request.request_id, None)
+            self._answered(index)
+            return reply
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+        """Abort ``request_id`` on the gateway serving it (every gateway if not known here)."""
+        with self._lock:
+            hint = self._serving.get(request_id)
+        order = self.attempt_order()
+        if hint is not None:
+            order = [hint] + [i for i in order if i != hint]
+        error: grpc.RpcError | None = None
+        for index in order:
+            try:
+                reply = self.stubs[index].Abort(
+                    gateway_pb2.AbortRequest(request_id=request_id),
+                    timeout=timeout,
+                    metadata=self.metadata,
+                )
+                return reply.aborted
+            except grpc.RpcError as exc:
+                if not isinstance(exc, grpc.Call) or exc.code() not in (
+                    grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.UNAVAILABLE,
+                ):
+                    raise
+                if error is None or exc.code() == grpc.StatusCode.NOT_FOUND:
+                    error = exc  # NOT_FOUND says more than a gateway that is down
+        assert error is not None
+        raise error
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+class RetryingStream:
+    """A ``Generate`` call that moves to the next gateway on UNAVAILABLE until the first chunk.
+
+    Iterate it for the chunks; ``cancel()`` (from any thread) ends it with CANCELLED. Errors are
+    the gRPC ones (``grpc.RpcError`` with ``code()`` and ``details()``).
+    """
+
+    def __init__(
+        self, client: GatewayClient, request: gateway_pb2.GenerateRequest, timeout: float | None
+    ) -> None:
+        self._client = client
+        self._request = request
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._order = client.attempt_order()
+        self._attempt = -1
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._started = False  # a chunk was returned: no more retries
+        self._call = None
+        self._start_next()
+
+    def _start_next(self) -> None:
+        self._attempt += 1
+        index = self._order[self._attempt]
+        self._client._track(self._request.request_id, index)
+        call = self._client.stubs[index].Generate(
+            self._request, timeout=_left(self._deadline), metadata=self._client.metadata
+        )
+        with self._lock:
+            self._call = call
+            cancelled = self._cancelled
+        if cancelled:
+            call.cancel()
+
+    def __iter__(self) -> Iterator[gateway_pb2.GenerateChunk]:
+        return self
+
+    def __next__(self) -> gateway_pb2.GenerateChunk:
+        while True:
+            try:
+                chunk = next(self._call)
+            except StopIteration:
+                self._client._track(self._request.request_id, None)
+                raise
+            except grpc.RpcError as exc:
+                if not self._may_retry(exc):
+                    self._client._track(self._request.request_id, None)
+                    raise
+                self._start_next()
+                continue
+            if not self._started:
+                self._started = True
+                self._client._answered(self._order[self._attempt])
+            return chunk
+
+    def _may_retry(self, exc: grpc.RpcError) -> bool:
+        with self._lock:
+            cancelled = self._cancelled
+        return (
+            not self._started
+            and not cancelled
+            and _retryable(exc)
+            and self._attempt + 1 < len(self._order)
+            and (self._deadline is None or self._deadline > time.monotonic())
+        )
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+
+# ---- results ---------------------------------------------------------------------------------
 
 
 def result_dict(reply: gateway_pb2.GenerateResponse | gateway_pb2.GenerateChunk) -> dict:
-    t = reply.timing
+    reason = common_pb2.FinishReason.Name(reply.finish_reason).removeprefix("FINISH_REASON_")
     return {
         "text": reply.text,
         "token_ids": list(reply.token_ids),
-        "finish_reason": common_pb2.FinishReason.Name(reply.finish_reason)
-        .removeprefix("FINISH_REASON_")
-        .lower(),
-        "usage": {
-            "prompt_tokens": reply.usage.prompt_tokens,
-            "cached_tokens": reply.usage.cached_tokens,
-            "completion_tokens": reply.usage.completion_tokens,
-        },
-        "timing": {
-            "queue_s": t.queue_s,
-            "encode_s": t.encode_s,
-            "transfer_s": t.transfer_s,
-            "prefill_s": t.prefill_s,
-            "first_token_s": t.first_token_s,
-            "total_s": t.total_s,
-            "num_transfers": t.num_transfers,
-            "encoder_cache_hits": t.encoder_cache_hits,
-        },
+        "finish_reason": reason.lower(),
+        "usage": {name: getattr(reply.usage, name) for name in USAGE_FIELDS},
+        "timing": {name: getattr(reply.timing, name) for name in TIMING_FIELDS},
     }
 
 
@@ -114,41 +326,80 @@ def format_timing(reply: gateway_pb2.GenerateResponse | gateway_pb2.GenerateChun
     )
 
 
+# ---- epd generate ----------------------------------------------------------------------------
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gateway", default="127.0.0.1:50051", help="gateway host:port")
+    parser.add_argument(
+        "--gateway",
+        default="127.0.0.1:50051",
+        help="gateway host:port; several, comma-separated, are tried in turn while unavailable",
+    )
     parser.add_argument("--image", type=Path, action="append", default=[], help="image file")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=64, help="0 = the gateway's default")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling; 0 = off")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0 = off")
+    parser.add_argument("--seed", type=int, default=None, help="seed of reproducible sampling")
     parser.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--api-key", default=None, help=f"API key sent as a bearer token [env {API_KEY_ENV}]"
+    )
+    parser.add_argument("--tls-ca", type=Path, default=None, help="CA file: connect with TLS")
+    parser.add_argument(
+        "--tls-server-name", default="", help="name the gateway's certificate is checked for"
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> dict[str, object]:
+    """The sampling keywords of ``args``; ValueError naming the first bad one."""
+    if not 0 <= args.max_tokens <= MAX_UINT32:
+        raise ValueError(f"--max-tokens must be in [0, {MAX_UINT32}], got {args.max_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not (math.isfinite(args.top_p) and 0 <= args.top_p <= 1):
+        raise ValueError(f"--top-p must be in [0, 1], got {args.top_p}")
+    if not -1 <= args.top_k < 1 << 31:
+        raise ValueError(f"--top-k must be in [-1, 2**31), got {args.top_k}")
+    if args.seed is not None and not 0 <= args.seed < 1 << 64:
+        raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    sampling: dict[str, object] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+    }
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    return sampling
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        images = [p.read_bytes() for p in args.image]
-    except OSError as exc:
-        print(f"cannot read image: {exc}", file=sys.stderr)
-        return 2
-    with GatewayClient(args.gateway) as client:
+    sampling = check_arguments(args)
+    addresses = parse_addresses(args.gateway)
+    images = [_read(p, "image") for p in args.image]
+    tls_ca = _read(args.tls_ca, "CA file") if args.tls_ca is not None else None
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    with GatewayClient(addresses, api_key, tls_ca, args.tls_server_name) as client:
         try:
             if args.json:
-                reply = client.generate(
-                    args.prompt,
-                    images,
-                    timeout=args.timeout,
-                    max_tokens=args.max_tokens,
-                    temperature=args.temperature,
-                )
+                reply = client.generate(args.prompt, images, timeout=args.timeout, **sampling)
                 print(json.dumps(result_dict(reply)))
                 return 0
             final = None
             for chunk in client.generate_stream(
-                args.prompt,
-                images,
-                timeout=args.timeout,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
+                args.prompt, images, timeout=args.timeout, **sampling
             ):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -160,3 +411,6 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            print("cancelled", file=sys.stderr)
+            return 130

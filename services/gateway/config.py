@@ -16,6 +16,21 @@ from common.tls import check_key_pair
 
 ENV_PREFIX = "EPD_GATEWAY_"
 POLICIES = ("affinity", "least_load", "round_robin")
+# The request-limit block of GatewayConfig (mirrored by validation.RequestLimits).
+REQUEST_LIMIT_FIELDS = (
+    "max_messages",
+    "max_parts_per_message",
+    "max_text_chars",
+    "max_images",
+    "max_image_bytes",
+    "max_image_ref_chars",
+    "max_stop",
+    "max_stop_chars",
+    "max_stop_token_ids",
+    "max_top_k",
+    "max_new_tokens_limit",
+    "max_request_id_chars",
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,24 @@ class GatewayConfig:
     default_timeout_s: float = field(120.0, help="deadline of a request without its own")
     default_max_new_tokens: int = field(128, help="max_new_tokens when the request sets 0")
     max_message_mb: int = field(64, help="largest gRPC message accepted (images are large)")
+    # ---- request limits: every request is checked against them before admission
+    # (services/gateway/validation.py); a request past one is INVALID_ARGUMENT naming the field.
+    max_messages: int = field(256, help="most chat messages in one request")
+    max_parts_per_message: int = field(64, help="most content parts (text or image) per message")
+    max_text_chars: int = field(1 << 20, help="most text characters over all messages of a request")
+    max_images: int = field(16, help="most images in one request")
+    max_image_bytes: int = field(
+        20 << 20,
+        help="largest image as raw bytes (`data`); base64 text may be its base64 length plus a "
+        "data-URL prefix",
+    )
+    max_image_ref_chars: int = field(8192, help="longest image `path` or `url`, in characters")
+    max_stop: int = field(16, help="most stop strings in a request")
+    max_stop_chars: int = field(256, help="longest stop string, in characters")
+    max_stop_token_ids: int = field(64, help="most stop token ids in a request")
+    max_top_k: int = field(262144, help="largest top_k (at least the largest vocabulary)")
+    max_new_tokens_limit: int = field(32768, help="largest max_new_tokens a request may ask for")
+    max_request_id_chars: int = field(256, help="longest client request_id, in characters")
 
     def __post_init__(self) -> None:
         self._check_surfaces()
@@ -71,6 +104,14 @@ class GatewayConfig:
             raise ValueError("max_queued and max_message_mb must be positive")
         if not 0 <= self.port < 65536:
             raise ValueError(f"bad port {self.port}")
+        for name in REQUEST_LIMIT_FIELDS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) must be in "
+                f"[1, max_new_tokens_limit ({self.max_new_tokens_limit})]"
+            )
 
     @property
     def requires_api_key(self) -> bool:

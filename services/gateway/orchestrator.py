@@ -1,21 +1,43 @@
 """One request's path through the pools.
 
-Text only: a language worker is chosen (cache-aware, then load) and streams the answer.
-With images: the gateway creates a room (a random 63-bit id), chooses an encoder (image
-affinity, then load) and a language worker, and starts both halves at once — the encoder gets
-the messages, the language worker the room, the encoder's transfer endpoint and the sampling
-parameters. If the encoder refuses or is unreachable before anything was transferred, the
-language half is cancelled (which frees its room) and the request is retried on the next encoder
-with a fresh room. The language stream is the request's single source of truth: every request
-ends with exactly one terminal status.
+The request arrives validated (``validation.py``). Language workers are ordered by their policy
+(cache-aware, then load) and only those whose ``max_seq_len`` leaves room for
+``max_new_tokens`` are kept.
+
+Text only: the first language worker streams the answer from the messages.
+
+With images: the gateway pairs a language worker with encoders that share its transfer layout
+(``routing.pair``: the language worker first, then only encoders whose rows fit its blocks),
+creates a room (a random 63-bit id) and starts both halves at once — the encoder gets the
+messages, the time the request has left and the prompt budget (the language worker's
+``max_seq_len`` minus ``max_new_tokens``), the language worker the room, the encoder's transfer
+endpoint and the sampling parameters. If the encoder refuses or is unreachable before anything
+was transferred, the language half is cancelled (which frees its room) and the request is
+retried on the next encoder with a fresh room.
+
+Ids: every call to a worker carries an id the gateway draws itself (a uuid per call). The
+client's ``request_id`` only keys the admission table and is echoed in the answer, so no client
+id can reach, replace or abort another request on a worker.
+
+Cancellation: once an encoder accepted a room, the room is cancelled there (``Encoder.Cancel``,
+best effort) when the request ends before the language worker streamed anything — the language
+half refused or failed, the client cancelled, the deadline passed — so the encoder drops the
+work and frees its blocks at once instead of at a transfer timeout. The first chunk from the
+language worker means the transfer completed; from then on nothing is cancelled on the encoder.
+
+The language stream is the request's single source of truth: every request ends with exactly
+one terminal status.
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 
@@ -27,14 +49,53 @@ from services.gateway.errors import GatewayError
 from services.gateway.keys import num_images, routing_key
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.registry import Role, Worker, WorkerRegistry
-from services.gateway.routing import BasePolicy, RoutingKey
+from services.gateway.routing import BasePolicy, RoutingKey, no_pair_message, pair
 
-ROLES_ALLOWED = ("system", "user", "assistant")
 RETRY_ENCODER_CODES = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.ALREADY_EXISTS,
 )
+# Encode refusals after which the encoder already failed the room itself (ALREADY_EXISTS: the
+# room id is another request's, which must not be cancelled).
+ENCODER_REFUSED_CODES = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ALREADY_EXISTS,
+)
+
+
+# Final chunks after which the encoder may still hold the room (the transfer did not finish).
+UNDELIVERED = (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT)
+
+
+def new_call_id() -> str:
+    """The id of one call the gateway makes to a worker."""
+    return uuid.uuid4().hex
+
+
+class EncoderRoom:
+    """A room an encoder accepted. Cancelled there at most once, and never once delivered."""
+
+    def __init__(self, encoder: Worker, room: int) -> None:
+        self.encoder = encoder
+        self.room = room
+        self._open = True
+        self._lock = threading.Lock()
+
+    def delivered(self) -> None:
+        """The language worker has the whole prompt: the encoder is done with the room."""
+        with self._lock:
+            self._open = False
+
+    def cancel(self, reason: str) -> bool:
+        """Ask the encoder to drop the room (non-blocking); False when delivered or done."""
+        with self._lock:
+            if not self._open:
+                return False
+            self._open = False
+        calls.cancel_room(self.encoder, self.room, reason)
+        return True
 
 
 @dataclass
@@ -45,34 +106,7 @@ class Dispatch:
     encoder: Worker | None
     sent_at: float
     call: object  # the language worker's streaming call
-
-
-def validate(request: gateway_pb2.GenerateRequest) -> None:
-    if not request.messages:
-        raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty")
-    for i, message in enumerate(request.messages):
-        if message.role not in ROLES_ALLOWED:
-            raise GatewayError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"messages[{i}].role {message.role!r} is not one of {', '.join(ROLES_ALLOWED)}",
-            )
-        for j, part in enumerate(message.content):
-            which = part.WhichOneof("part")
-            if which is None:
-                raise GatewayError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].content[{j}] is empty"
-                )
-            if which == "image" and part.image.WhichOneof("source") is None:
-                raise GatewayError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"messages[{i}].content[{j}].image has no source",
-                )
-    s = request.sampling
-    if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < -1:
-        raise GatewayError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "sampling: temperature must be >= 0, top_p in [0, 1], top_k >= -1",
-        )
+    room: EncoderRoom | None = None
 
 
 def _status_from_rpc(exc: grpc.RpcError, who: str) -> GatewayError:
@@ -80,6 +114,11 @@ def _status_from_rpc(exc: grpc.RpcError, who: str) -> GatewayError:
     if code == grpc.StatusCode.CANCELLED:  # not by the client (callers check): channel closed
         code = grpc.StatusCode.UNAVAILABLE
     return GatewayError(code, f"{who}: {exc.details() if hasattr(exc, 'details') else exc}")
+
+
+def max_seq_len(worker: Worker) -> int:
+    """The longest prompt + completion ``worker`` takes; 0 when it does not say."""
+    return int(worker.descriptor.get("max_seq_len", 0) or 0)
 
 
 class Orchestrator:
@@ -101,46 +140,86 @@ class Orchestrator:
     def run(
         self, request: gateway_pb2.GenerateRequest, admitted: Admitted, deadline: float
     ) -> Iterator[gateway_pb2.GenerateChunk]:
-        """Stream the answer to ``request``; raises ``GatewayError`` with the terminal status."""
-        validate(request)
+        """Stream the answer to a validated ``request``; raises ``GatewayError`` with the
+        terminal status."""
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         if not sampling.max_new_tokens:
             sampling.max_new_tokens = self.config.default_max_new_tokens
         key = routing_key(list(request.messages))
-        language = self._choose(Role.LANGUAGE, key)[0]
+        ordered, reason = self._order(Role.LANGUAGE, self.registry.healthy(Role.LANGUAGE), key)
+        languages = self._fitting(ordered, sampling.max_new_tokens, request.sampling)
         if num_images(list(request.messages)) == 0:
+            language = languages[0]
             self.metrics.routing.labels("encoder", "text_only").inc()
-            call = calls.generate(
-                language,
-                admitted.request_id,
-                sampling,
-                self._remaining(deadline),
-                messages=request.messages,
+            call = self._start_language(
+                language, sampling, self._remaining(deadline), messages=request.messages
             )
             admitted.on_cancel(call.cancel)  # Abort and client cancel reach the language worker
             dispatch = Dispatch(language, None, time.monotonic(), call)
         else:
+            language, encoders = self._pair(languages, key)
             dispatch = self._dispatch_with_images(
-                request, sampling, key, language, admitted, deadline
+                request, sampling, key, language, encoders, admitted, deadline
             )
+        if language is not ordered[0]:  # the policy's choice cannot take it
+            reason = "layout" if language is not languages[0] else "max_seq_len"
+        self.metrics.routing.labels("language", reason).inc()
         self.language_policy.on_routed(language, key)
         yield from self._stream(dispatch, admitted)
 
     # ---- routing ------------------------------------------------------------------------
-    def _choose(self, role: Role, key: RoutingKey) -> list[Worker]:
+    def _order(
+        self, role: Role, workers: list[Worker], key: RoutingKey
+    ) -> tuple[list[Worker], str]:
         policy = self.encoder_policy if role == Role.ENCODER else self.language_policy
-        ordered, reason = policy.choose(self.registry.healthy(role), key)
+        ordered, reason = policy.choose(workers, key)
         if not ordered:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role.value} worker")
-        self.metrics.routing.labels(role.value, reason).inc()
-        return ordered
+        return ordered, reason
+
+    def _fitting(
+        self, languages: list[Worker], max_new_tokens: int, asked: common_pb2.SamplingParams
+    ) -> list[Worker]:
+        """The language workers with room for ``max_new_tokens`` beside at least one prompt
+        token (workers that do not advertise ``max_seq_len`` always qualify)."""
+        fits = [w for w in languages if not max_seq_len(w) or max_seq_len(w) > max_new_tokens]
+        if fits:
+            return fits
+        best = max(languages, key=max_seq_len)
+        origin = "" if asked.max_new_tokens else " (the gateway's default)"
+        raise GatewayError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"sampling.max_new_tokens is {max_new_tokens}{origin}, but the longest sequence a "
+            f"language worker takes is max_seq_len {max_seq_len(best)} ({best.address}), "
+            f"prompt included",
+        )
+
+    def _pair(self, languages: list[Worker], key: RoutingKey) -> tuple[Worker, list[Worker]]:
+        """The preferred language worker that has encoders of its transfer layout, and those
+        encoders in the encoder policy's order."""
+        encoders = self.registry.healthy(Role.ENCODER)
+        if not encoders:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "no healthy encoder worker")
+        paired = pair(languages, encoders)
+        if paired is None:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, no_pair_message(languages, encoders))
+        language, fits = paired
+        ordered, reason = self._order(Role.ENCODER, fits, key)
+        self.metrics.routing.labels("encoder", reason).inc()
+        return language, ordered
 
     def _remaining(self, deadline: float) -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         return remaining
+
+    def _start_language(self, language: Worker, sampling, timeout_s: float, **kw):
+        try:
+            return calls.generate(language, new_call_id(), sampling, timeout_s, **kw)
+        except grpc.RpcError as exc:  # it left the pool since it was chosen
+            raise _status_from_rpc(exc, f"language worker {language.address}") from None
 
     def _transfer_endpoint(self, encoder: Worker) -> str:
         endpoint = encoder.info.get("transfer_endpoint", "")
@@ -152,16 +231,18 @@ class Orchestrator:
 
     def _dispatch_with_images(
         self,
-        request,
-        sampling,
+        request: gateway_pb2.GenerateRequest,
+        sampling: common_pb2.SamplingParams,
         key: RoutingKey,
         language: Worker,
+        encoders: list[Worker],
         admitted: Admitted,
         deadline: float,
     ) -> Dispatch:
-        encoders = self._choose(Role.ENCODER, key)[: 1 + self.config.encoder_retries]
+        budget = max_seq_len(language)
+        max_prompt_tokens = budget - sampling.max_new_tokens if budget else 0
         last_error: GatewayError | None = None
-        for attempt, encoder in enumerate(encoders):
+        for attempt, encoder in enumerate(encoders[: 1 + self.config.encoder_retries]):
             if attempt:
                 self.metrics.routing.labels("encoder", "retry").inc()
             endpoint = self._transfer_endpoint(encoder)
@@ -172,26 +253,33 @@ class Orchestrator:
                 )
                 continue
             room = secrets.randbits(63) or 1
-            lang_id = admitted.request_id if attempt == 0 else f"{admitted.request_id}#{attempt}"
             timeout_s = self._remaining(deadline)
-            call = calls.generate(
-                language, lang_id, sampling, timeout_s, room=room, encoder_endpoint=endpoint
+            call = self._start_language(
+                language, sampling, timeout_s, room=room, encoder_endpoint=endpoint
             )
             admitted.on_cancel(call.cancel)
-            encoded = calls.encode(encoder, room, admitted.request_id, request.messages, timeout_s)
-            admitted.on_cancel(encoded.cancel)
             try:
+                encoded = calls.encode(
+                    encoder, room, new_call_id(), request.messages, timeout_s, max_prompt_tokens
+                )
+                admitted.on_cancel(encoded.cancel)
                 encoded.result()
-            except grpc.RpcError as exc:
+            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                # NOTE: FutureCancelledError: the request was cancelled while Encode was in flight
                 call.cancel()  # the language worker aborts the room and frees its blocks
-                last_error = _status_from_rpc(exc, f"encoder {encoder.address}")
                 if admitted.cancelled:
+                    calls.cancel_room(encoder, room, "request cancelled")
                     raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted") from None
+                last_error = _status_from_rpc(exc, f"encoder {encoder.address}")
+                if last_error.code not in ENCODER_REFUSED_CODES:  # it may have accepted it
+                    calls.cancel_room(encoder, room, f"encode call failed: {last_error.code.name}")
                 if last_error.code in RETRY_ENCODER_CODES:
                     continue
                 raise last_error from None
+            accepted = EncoderRoom(encoder, room)
+            admitted.on_cancel(partial(accepted.cancel, "request cancelled"))
             self.encoder_policy.on_routed(encoder, key)
-            return Dispatch(language, encoder, time.monotonic(), call)
+            return Dispatch(language, encoder, time.monotonic(), call, accepted)
         assert last_error is not None
         raise last_error
 
@@ -205,8 +293,11 @@ class Orchestrator:
         for w in workers:
             self.registry.acquire(w)
         first_token_at = last_token_at = 0.0
+        failure = "the request ended before the language worker answered"
         try:
             for chunk in dispatch.call:
+                if dispatch.room is not None and chunk.finish_reason not in UNDELIVERED:
+                    dispatch.room.delivered()  # a token or a normal finish: the prompt arrived
                 now = time.monotonic()
                 if chunk.token_ids:
                     if not first_token_at:
@@ -219,20 +310,27 @@ class Orchestrator:
                     request_id=admitted.request_id, text=chunk.text, token_ids=chunk.token_ids
                 )
                 if chunk.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    failure = f"language worker failed: {chunk.error or 'error'}"
                     raise GatewayError(
                         grpc.StatusCode.UNAVAILABLE,
                         f"language worker {dispatch.language.address}: {chunk.error or 'failed'}",
                     )
                 if chunk.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                    failure = "request aborted"
                     raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted")
                 if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     self._finalize(out, chunk, dispatch, start, first_token_at)
                 yield out
         except grpc.RpcError as exc:
             if admitted.cancelled:
+                failure = "request cancelled"
                 raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted") from None
-            raise _status_from_rpc(exc, f"language worker {dispatch.language.address}") from None
+            error = _status_from_rpc(exc, f"language worker {dispatch.language.address}")
+            failure = f"language worker refused or failed: {error.code.name}"
+            raise error from None
         finally:
+            if dispatch.room is not None:
+                dispatch.room.cancel(failure)  # a no-op once the prompt was delivered
             for w in workers:
                 self.registry.release(w)
             dispatch.call.cancel()

@@ -3,7 +3,7 @@
 Workers either register themselves (``WorkerRegistry.Heartbeat``) and are dropped when silent
 for ``worker_expiry_s``, or come from the static list and are kept, marked unhealthy while
 their health check fails. The gateway holds one long-lived channel per worker, made on first
-sight and closed when the worker is dropped.
+sight and closed when the worker is dropped, and the stubs on it, made with the channel.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from grpc_health.v1 import health_pb2_grpc
+
+from protos.epd.v1 import encoder_pb2_grpc, language_pb2_grpc
+
 
 class Role(str, Enum):
     ENCODER = "encoder"
@@ -22,6 +26,31 @@ class Role(str, Enum):
 
 
 ROLES = tuple(role.value for role in Role)
+
+
+@dataclass(frozen=True)
+class WorkerStubs:
+    """The stubs the gateway calls a worker through (``services/gateway/workers.py``)."""
+
+    health: Any  # health_pb2_grpc.HealthStub
+    service: Any  # encoder_pb2_grpc.EncoderStub | language_pb2_grpc.LanguageServiceStub
+
+
+def create_stubs(channel: Any, role: Role) -> WorkerStubs:
+    """The stubs of a worker, made on its fresh channel.
+
+    NOTE: grpcio 1.85 crashes the process (SIGSEGV) when a stub is made on a channel that was
+    closed before any stub was made on it. A worker's channel is closed by whichever thread drops
+    the worker, possibly while a request still holds it, so the stubs are made once, with the
+    channel, before any other thread can see it; a call through them on a closed channel raises
+    ``ValueError`` instead.
+    """
+    service = (
+        encoder_pb2_grpc.EncoderStub(channel)
+        if role == Role.ENCODER
+        else language_pb2_grpc.LanguageServiceStub(channel)
+    )
+    return WorkerStubs(health_pb2_grpc.HealthStub(channel), service)
 
 
 @dataclass
@@ -33,6 +62,7 @@ class Worker:
     capacity: int
     static: bool
     channel: Any  # grpc.Channel (or a test double); one per worker, long-lived
+    stubs: WorkerStubs | None = None  # made with the channel (``create_stubs``)
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True
     in_flight: int = 0
@@ -51,9 +81,13 @@ class WorkerRegistry:
         expiry_s: float,
         channel_factory: Callable[[str], Any],
         clock: Callable[[], float] = time.monotonic,
+        stub_factory: Callable[[Any, Role], WorkerStubs | None] = create_stubs,
     ) -> None:
+        """``stub_factory(channel, role)`` makes a new worker's stubs (None: no stubs, for
+        test doubles of channels)."""
         self._expiry_s = expiry_s
         self._channel_factory = channel_factory
+        self._stub_factory = stub_factory
         self._clock = clock
         self._lock = threading.Lock()
         self._workers: dict[str, Worker] = {}
@@ -61,14 +95,7 @@ class WorkerRegistry:
     def add_static(self, address: str, role: Role, capacity: int = 64) -> None:
         with self._lock:
             if address not in self._workers:
-                self._workers[address] = Worker(
-                    address,
-                    role,
-                    capacity,
-                    True,
-                    self._channel_factory(address),
-                    last_seen=self._clock(),
-                )
+                self._workers[address] = self._new_worker(address, role, capacity, static=True)
 
     def heartbeat(
         self,
@@ -85,7 +112,7 @@ class WorkerRegistry:
             if worker is None or worker.role != role:
                 if worker is not None:
                     worker.channel.close()
-                worker = Worker(address, role, capacity, False, self._channel_factory(address))
+                worker = self._new_worker(address, role, capacity, static=False)
                 self._workers[address] = worker
             worker.capacity = capacity
             worker.load = dict(load)
@@ -95,6 +122,11 @@ class WorkerRegistry:
                 worker.descriptor = dict(descriptor)
             worker.healthy = True
             worker.last_seen = self._clock()
+
+    def _new_worker(self, address: str, role: Role, capacity: int, static: bool) -> Worker:
+        channel = self._channel_factory(address)
+        stubs = self._stub_factory(channel, role)
+        return Worker(address, role, capacity, static, channel, stubs, last_seen=self._clock())
 
     def deregister(self, address: str) -> bool:
         with self._lock:

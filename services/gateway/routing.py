@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from protos.epd.v1 import common_pb2
 from services.gateway.registry import Role, Worker
 
 
@@ -146,3 +147,82 @@ def create_policy(name: str, role: Role, slack: int) -> BasePolicy:
     if name == "affinity":
         return EncoderAffinityPolicy(slack) if role == Role.ENCODER else CacheAwarePolicy(slack)
     raise ValueError(f"unknown routing policy {name!r}")
+
+
+# ---- pairing by transfer layout ------------------------------------------------------------
+
+
+def transfer_layout(worker: Worker) -> common_pb2.TransferLayout | None:
+    """The layout ``worker`` advertises; None when it advertises none (an older worker)."""
+    layout = worker.descriptor.get("transfer_layout")
+    if layout is None or not (layout.hidden_size or layout.dtype):
+        return None
+    return layout
+
+
+def _layout_key(layout: common_pb2.TransferLayout) -> tuple[int, int, str, int]:
+    return (layout.hidden_size, layout.num_deepstack, layout.dtype, layout.block_size)
+
+
+def describe_layout(layout: common_pb2.TransferLayout | None) -> str:
+    if layout is None:
+        return "no layout advertised"
+    return (
+        f"{layout.dtype or 'dtype unset'}, hidden {layout.hidden_size}, "
+        f"deepstack {layout.num_deepstack}, block {layout.block_size}"
+    )
+
+
+def compatible(a: Worker, b: Worker) -> bool:
+    """Whether ``a`` and ``b`` (an encoder and a language worker) can exchange image rows."""
+    la, lb = transfer_layout(a), transfer_layout(b)
+    return la is None or lb is None or _layout_key(la) == _layout_key(lb)
+
+
+def pair(languages: list[Worker], encoders: list[Worker]) -> tuple[Worker, list[Worker]] | None:
+    """The first of ``languages`` (in order of preference) with compatible ``encoders``, and
+    those encoders (in the order given); None when no language worker has any."""
+    for language in languages:
+        fits = [e for e in encoders if compatible(language, e)]
+        if fits:
+            return language, fits
+    return None
+
+
+def no_pair_message(languages: list[Worker], encoders: list[Worker]) -> str:
+    """Why ``pair`` found nothing: the preferred language worker's layout and the encoders'."""
+    first = languages[0]
+    others = len(languages) - 1
+    nor = f" (nor that of the {others} other language workers)" if others else ""
+    have = "; ".join(f"{describe_layout(transfer_layout(e))} ({e.address})" for e in encoders)
+    return (
+        f"no encoder shares language worker {first.address}'s transfer layout "
+        f"({describe_layout(transfer_layout(first))}){nor}; encoders have: {have}"
+    )
+
+
+def worker_problems(workers: list[Worker]) -> dict[str, str]:
+    """Why each worker gets no traffic, or only some: address -> note (routable ones absent)."""
+    healthy = [w for w in workers if w.healthy]
+    problems: dict[str, str] = {}
+    for worker in workers:
+        layout = transfer_layout(worker)
+        partners = [w for w in healthy if w.role != worker.role]
+        if not worker.healthy:
+            problems[worker.address] = "unhealthy: failing health checks or silent"
+        elif layout is None:
+            problems[worker.address] = (
+                "advertises no transfer layout (an older worker): paired with any worker of the "
+                "other pool, unchecked"
+            )
+        elif worker.role == Role.ENCODER and not partners:
+            problems[worker.address] = "no healthy language worker to send image rows to"
+        elif partners and not any(compatible(worker, p) for p in partners):
+            other = "language worker" if worker.role == Role.ENCODER else "encoder"
+            have = "; ".join(sorted({describe_layout(transfer_layout(p)) for p in partners}))
+            note = f"no {other} shares this transfer layout ({describe_layout(layout)})"
+            note += f"; {other}s have: {have}"
+            if worker.role == Role.LANGUAGE:
+                note += "; it serves text-only requests only"
+            problems[worker.address] = note
+    return problems

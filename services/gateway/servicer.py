@@ -1,16 +1,43 @@
-"""Thin gRPC servicers of the gateway: the public API and the worker registry."""
+"""Thin gRPC servicers of the gateway: the public API and the worker registry.
+
+Every public request is validated (``validation.validate_request``) before it is admitted, so a
+bad one costs no admission slot and is counted under its status like any other outcome.
+A caller's identity (``caller_identity``) is the SHA-256 of its API key when it sends one
+(``authorization: Bearer KEY``), else its peer address; ``Abort`` reaches only the caller's own
+requests.
+"""
 
 from __future__ import annotations
 
+import hashlib
+
 import grpc
 
-from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
+from protos.epd.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+)
 from services.gateway.admission import Admission, DuplicateRequest, QueueFull
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.registry import ROLES, Role, WorkerRegistry
+from services.gateway.routing import worker_problems
+from services.gateway.validation import RequestLimits, validate_request, validate_request_id
+
+
+def caller_identity(context: grpc.ServicerContext) -> str:
+    """Who is calling: ``key:<sha256 of the bearer API key>``, else ``peer:<peer address>``."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, token = value.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()
+    return "peer:" + context.peer()
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -27,10 +54,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.orchestrator = orchestrator
         self.registry = registry
         self.metrics = metrics
+        self.limits = RequestLimits.from_config(config)
 
     def Generate(self, request, context):  # noqa: N802
         try:
-            admitted = self.admission.admit(request.request_id)
+            validate_request(request, self.limits)
+        except GatewayError as exc:
+            self.metrics.requests.labels(exc.code.name).inc()
+            context.abort(exc.code, exc.message)
+        try:
+            admitted = self.admission.admit(request.request_id, caller_identity(context))
         except QueueFull as exc:
             self.metrics.requests.labels("RESOURCE_EXHAUSTED").inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -70,10 +103,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return reply
 
     def Abort(self, request, context):  # noqa: N802
-        if not request.request_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        if not self.admission.abort(request.request_id):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} in flight")
+        """Abort a live request of this caller; NOT_FOUND for any other id (another caller's
+        requests are not visible)."""
+        try:
+            validate_request_id(request.request_id, self.limits, required=True)
+        except GatewayError as exc:
+            context.abort(exc.code, exc.message)
+        if not self.admission.abort(request.request_id, caller_identity(context)):
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no request {request.request_id!r} of this caller in flight",
+            )
         return gateway_pb2.AbortResponse(aborted=True)
 
 
@@ -97,7 +137,7 @@ class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
             dict(request.load),
             dict(request.info),
             {
-                "transfer_layout": request.transfer_layout,
+                "transfer_layout": _copy_layout(request.transfer_layout),
                 "max_prompt_tokens": request.max_prompt_tokens,
                 "max_seq_len": request.max_seq_len,
             },
@@ -109,6 +149,8 @@ class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
         return registry_pb2.DeregisterResponse()
 
     def ListWorkers(self, request, context):  # noqa: N802
+        workers = self.registry.all()
+        problems = worker_problems(workers)
         return registry_pb2.ListWorkersResponse(
             workers=[
                 registry_pb2.WorkerInfo(
@@ -121,8 +163,15 @@ class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
                     load=w.load,
                     static=w.static,
                     info=w.info,
+                    problem=problems.get(w.address, ""),
                     **w.descriptor,
                 )
-                for w in sorted(self.registry.all(), key=lambda w: (w.role.value, w.address))
+                for w in sorted(workers, key=lambda w: (w.role.value, w.address))
             ]
         )
+
+
+def _copy_layout(layout: common_pb2.TransferLayout) -> common_pb2.TransferLayout:
+    copy = common_pb2.TransferLayout()
+    copy.CopyFrom(layout)
+    return copy

@@ -1,25 +1,55 @@
 """Calls from the gateway to the workers, over each worker's long-lived channel.
 
-Thin wrappers that turn protos into calls and keep the stubs next to the channel. Failures come
-back as ``grpc.RpcError``; deciding what they mean is the orchestrator's job.
+Thin wrappers that turn protos into calls through the stubs made with the worker's channel
+(``registry.create_stubs``). Failures come back as ``grpc.RpcError``, including a call to a
+worker dropped meanwhile (``WorkerGone``: its channel is closed); deciding what they mean is
+the orchestrator's job.
 """
 
 from __future__ import annotations
 
+import logging
+
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from common import channels
 from common.channels import ChannelSecurity
 from common.load_figures import descriptor, load_figures
-from protos.epd.v1 import (
-    common_pb2,
-    encoder_pb2,
-    encoder_pb2_grpc,
-    language_pb2,
-    language_pb2_grpc,
-)
-from services.gateway.registry import Role, Worker
+from protos.epd.v1 import common_pb2, encoder_pb2, language_pb2
+from services.gateway.registry import Role, Worker, WorkerStubs
+
+logger = logging.getLogger(__name__)
+MAX_UINT32 = (1 << 32) - 1
+CANCEL_TIMEOUT_S = 1.0  # a cancel is a courtesy to the encoder; never wait long for it
+
+
+class WorkerGone(grpc.RpcError):
+    """A call to a worker that left the pool (the registry closed its channel)."""
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(f"worker {worker.address} left the pool")
+        self.address = worker.address
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return f"worker {self.address} left the pool"
+
+
+def _stubs(worker: Worker) -> WorkerStubs:
+    if worker.stubs is None:
+        raise WorkerGone(worker)  # only registry test doubles have no stubs
+    return worker.stubs
+
+
+def _start(worker: Worker, start, request, timeout_s: float):
+    """``start(request, timeout=...)``; WorkerGone when the worker's channel was closed."""
+    try:
+        return start(request, timeout=timeout_s)
+    except ValueError:  # grpcio: "Cannot invoke RPC: Channel closed!"
+        raise WorkerGone(worker) from None
 
 
 def create_channel(
@@ -29,11 +59,46 @@ def create_channel(
     return channels.create_channel(address, security, max_message_mb)
 
 
-def encode(worker: Worker, room: int, request_id: str, messages, timeout_s: float) -> grpc.Future:
-    """Start ``Encoder.Encode``; the future resolves once the encoder accepted or refused."""
-    stub = encoder_pb2_grpc.EncoderStub(worker.channel)
-    request = encoder_pb2.EncodeRequest(room=room, request_id=request_id, messages=messages)
-    return stub.Encode.future(request, timeout=timeout_s)
+def encode(
+    worker: Worker,
+    room: int,
+    request_id: str,
+    messages,
+    timeout_s: float,
+    max_prompt_tokens: int = 0,
+) -> grpc.Future:
+    """Start ``Encoder.Encode``; the future resolves once the encoder accepted or refused.
+
+    ``timeout_s`` is the time the request has left (the encoder fails the room once it passed);
+    ``max_prompt_tokens`` (0 = the encoder's own limit) is what the chosen language worker can
+    hold beside the completion, so an over-long prompt is refused before any pixel work.
+    """
+    request = encoder_pb2.EncodeRequest(
+        room=room, request_id=request_id, messages=messages, timeout_s=timeout_s
+    )
+    if max_prompt_tokens:
+        request.limits.max_prompt_tokens = min(max_prompt_tokens, MAX_UINT32)
+    return _start(worker, _stubs(worker).service.Encode.future, request, timeout_s)
+
+
+def cancel_room(
+    worker: Worker, room: int, reason: str, timeout_s: float = CANCEL_TIMEOUT_S
+) -> grpc.Future | None:
+    """Best effort ``Encoder.Cancel``: returns at once; a failure is only logged."""
+    request = encoder_pb2.CancelRequest(room=room, reason=reason)
+    try:
+        future = _start(worker, _stubs(worker).service.Cancel.future, request, timeout_s)
+    except WorkerGone as exc:
+        logger.info("cancel of room %d not sent: %s", room, exc.details())
+        return None
+
+    def done(f: grpc.Future) -> None:
+        error = "cancelled" if f.cancelled() else f.exception()
+        if error is not None:
+            logger.info("cancel of room %d on encoder %s failed: %s", room, worker.address, error)
+
+    future.add_done_callback(done)
+    return future
 
 
 def generate(
@@ -46,7 +111,6 @@ def generate(
     messages=(),
 ):
     """Start ``LanguageService.Generate``; returns the streaming call (iterable, cancellable)."""
-    stub = language_pb2_grpc.LanguageServiceStub(worker.channel)
     request = language_pb2.LanguageGenerateRequest(
         request_id=request_id,
         room=room,
@@ -54,27 +118,24 @@ def generate(
         messages=list(messages),
         sampling=sampling,
     )
-    return stub.Generate(request, timeout=timeout_s)
+    return _start(worker, _stubs(worker).service.Generate, request, timeout_s)
 
 
 def poll(worker: Worker, timeout_s: float) -> tuple[bool, dict[str, float], dict[str, str], dict]:
     """Health plus load of one worker: (healthy, load figures, info, descriptor); see
     ``common.load_figures``."""
     try:
-        reply = health_pb2_grpc.HealthStub(worker.channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=timeout_s
-        )
+        stubs = _stubs(worker)
+        check = health_pb2.HealthCheckRequest()
+        reply = _start(worker, stubs.health.Check, check, timeout_s)
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             return False, {}, {}, {}
         if worker.role == Role.ENCODER:
-            load = encoder_pb2_grpc.EncoderStub(worker.channel).GetLoad(
-                encoder_pb2.GetLoadRequest(), timeout=timeout_s
-            )
+            load = _start(worker, stubs.service.GetLoad, encoder_pb2.GetLoadRequest(), timeout_s)
             info = {"transfer_endpoint": load.sender_endpoint}
         else:
-            load = language_pb2_grpc.LanguageServiceStub(worker.channel).GetLoad(
-                language_pb2.LanguageLoadRequest(), timeout=timeout_s
-            )
+            request = language_pb2.LanguageLoadRequest()
+            load = _start(worker, stubs.service.GetLoad, request, timeout_s)
             info = {}
         return True, load_figures(load), info, descriptor(load)
     except grpc.RpcError:

@@ -21,6 +21,10 @@ class FakeChannel:
         self.closed = True
 
 
+def no_stubs(channel: FakeChannel, role: Role) -> None:
+    return None
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -30,7 +34,7 @@ class Clock:
 
 
 def make_registry(n: int, role: Role = Role.ENCODER, clock: Clock | None = None):
-    reg = WorkerRegistry(5.0, FakeChannel, clock or Clock())
+    reg = WorkerRegistry(5.0, FakeChannel, clock or Clock(), stub_factory=no_stubs)
     for i in range(n):
         reg.heartbeat(f"w{i}:1", role, 8, {})
     return reg
