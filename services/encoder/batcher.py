@@ -4,7 +4,9 @@ Each step walks the queued tasks in FIFO order and, for every image still withou
 takes the rows from the cache (a hit skips the ViT), or joins an identical image already in
 this step's batch, or adds it to the batch while the patch budget allows (the first image
 always fits, so an image larger than the budget runs alone). One forward runs the batch
-(``grid_thw`` lists its images); its output is split per image, cached, and handed out.
+(``grid_thw`` lists its images); its output is split per image, cast once to ``rows_dtype``
+(the wire dtype: what the cache keeps and the sender ships, so a hit needs no cast), cached,
+and handed out.
 A task whose images all have rows is finished with ``on_done(task, None)`` on this thread, so
 ``on_done`` must not block (shipping runs elsewhere).
 """
@@ -21,6 +23,7 @@ import torch
 
 from .cache import EmbeddingCache
 from .types import PreparedImage
+from .vision import to_host
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +64,10 @@ class VisionBatcher:
         fill_pixels: Callable[[PreparedImage], torch.Tensor],
         cache: EmbeddingCache | None,
         max_batch_patches: int,
+        rows_dtype: torch.dtype,
     ) -> None:
         self._forward = forward
+        self._rows_dtype = rows_dtype
         self._fill_pixels = fill_pixels
         self._cache = cache
         self._max_batch_patches = max_batch_patches
@@ -158,7 +163,7 @@ class VisionBatcher:
             self.on_forward(len(batch), elapsed)
         seen_tasks: set[int] = set()
         for image, rows in zip(batch, per_image, strict=True):
-            rows = rows.to("cpu").contiguous().clone()
+            rows = to_host(rows, self._rows_dtype)
             if self._cache is not None:
                 self._cache.put(image.key, rows)
             image.pixel_values = None  # free the patches

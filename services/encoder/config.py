@@ -5,6 +5,7 @@ The transfer plane keeps its own ``TransferConfig`` (env ``EPD_TRANSFER_*``), ne
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from common.cli_config import field
@@ -13,7 +14,8 @@ from common.worker import WorkerConfig
 
 ENV_PREFIX = "EPD_ENCODER_"
 SENDERS = ("transfer", "none")
-DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,12 @@ class EncoderConfig:
     port: int = field(0, help="gRPC port; 0 picks a free port")
     grpc_workers: int = field(8, help="gRPC handler threads (decoding runs on them)")
     max_message_mb: int = field(64, help="max gRPC receive message size in MiB")
-    device: str = field("auto", help="auto (cuda bf16 when present, else cpu fp32) | cpu | cuda")
+    device: str = field("auto", help="auto (cuda when present, else cpu) | cpu | cuda | cuda:N")
+    dtype: str = field(
+        "auto",
+        help="compute dtype of the vision tower: auto (bfloat16 on cuda, float32 on cpu) | "
+        "float32 | bfloat16 | float16; rows are cast once to the transfer dtype after the ViT",
+    )
     # intake
     max_image_bytes: int = field(20 << 20, help="largest encoded image accepted, in bytes")
     max_image_pixels: int = field(
@@ -83,9 +90,19 @@ class EncoderConfig:
             raise ValueError(f"min_pixels ({self.min_pixels}) > max_pixels ({self.max_pixels})")
         if self.cache_mb < 0:
             raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.sender not in SENDERS:
             raise ValueError(f"sender must be one of {SENDERS}, got {self.sender!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+
+    @property
+    def prompt_token_limit(self) -> int:
+        """The longest prompt accepted: ``max_prompt_tokens``, and no more than the transfer
+        buffer holds (a longer prompt could never be handed to the sender)."""
+        if self.sender == "none":
+            return self.max_prompt_tokens
+        return min(self.max_prompt_tokens, self.transfer.num_blocks * self.transfer.block_size)

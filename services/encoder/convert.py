@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from common.transfer.layout import BufferLayout, dtype_name
 from protos.epd.v1 import common_pb2, encoder_pb2
 
 from .errors import InvalidInput
@@ -74,4 +75,15 @@ def load_to_proto(load: LoadReport) -> encoder_pb2.LoadReport:
         free_blocks=int(load.sender.get("num_free_blocks", -1)),
         sender_endpoint=load.sender_endpoint,
         sender_stats_json=json.dumps(load.sender, default=str),
+        transfer_layout=layout_to_proto(load.transfer_layout),
+        max_prompt_tokens=load.max_prompt_tokens,
+    )
+
+
+def layout_to_proto(layout: BufferLayout) -> common_pb2.TransferLayout:
+    return common_pb2.TransferLayout(
+        hidden_size=layout.hidden_size,
+        num_deepstack=layout.num_deepstack,
+        dtype=dtype_name(layout.dtype),
+        block_size=layout.block_size,
     )

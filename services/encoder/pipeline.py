@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from common.transfer.layout import parse_dtype
+
 from .batcher import EncodeTask, VisionBatcher
 from .cache import EmbeddingCache
 from .checkpoint import load_checkpoint
@@ -41,7 +43,9 @@ class EncoderPipeline:
             self.checkpoint, self.config.min_pixels, self.config.max_pixels
         )
         self.prompts = PromptBuilder(self.checkpoint)
-        self.tower = VisionTower(self.checkpoint, self.config.device)
+        self.tower = VisionTower(self.checkpoint, self.config.device, self.config.dtype)
+        # Rows leave the ViT in the deployment's wire dtype, whatever the tower computes in.
+        self.rows_dtype = parse_dtype(self.config.transfer.dtype)
         cache_bytes = self.config.cache_mb << 20
         self.cache = EmbeddingCache(cache_bytes) if cache_bytes else None
         self.batcher = VisionBatcher(
@@ -49,6 +53,7 @@ class EncoderPipeline:
             self.preprocessor.fill_pixels,
             self.cache,
             self.config.max_batch_patches,
+            self.rows_dtype,
         )
         # Observer of each prepared request: seconds of decoding + preprocessing. Metrics set it.
         self.on_prepare: Callable[[float], None] | None = None
@@ -81,7 +86,7 @@ class EncoderPipeline:
             cached = self.cache is not None and key in self.cache
             prepared.append(self.preprocessor.prepare(img, with_pixels=not cached))
         max_tokens = min(
-            x for x in (self.config.max_prompt_tokens, limits.max_prompt_tokens) if x > 0
+            x for x in (self.config.prompt_token_limit, limits.max_prompt_tokens) if x > 0
         )
         return self.prompts.build(template_messages(chat), prepared, max_tokens)
 
@@ -125,7 +130,7 @@ class EncoderPipeline:
         return EncodedPrompt(
             fill_ids=prompt.fill_ids,
             positions=prompt.positions,
-            image_rows=task.image_rows(self.checkpoint.row_width, self.tower.dtype),
+            image_rows=task.image_rows(self.checkpoint.row_width, self.rows_dtype),
             image_mask=prompt.image_mask,
             mrope_delta=prompt.mrope_delta,
             num_items=len(prompt.images),

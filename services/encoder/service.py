@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.transfer.layout import BufferLayout, dtype_name, layout_for
+
 from .config import EncoderConfig
 from .errors import InvalidInput, Overloaded, RoomInUse, UnknownRoom
 from .pipeline import EncoderPipeline
@@ -43,18 +45,16 @@ class LoadReport:
     cache: dict  # CacheStats fields (empty when the cache is off)
     sender: dict  # the sender's stats (free blocks, bytes sent, ...)
     sender_endpoint: str
+    transfer_layout: BufferLayout  # the rows it sends (wire dtype)
+    max_prompt_tokens: int  # longest prompt it accepts after image expansion
 
 
-def create_sender(config: EncoderConfig, pipeline: EncoderPipeline) -> Sender:
-    """The transfer plane's sender for this checkpoint's row layout (or the discarding one)."""
+def create_sender(config: EncoderConfig, layout: BufferLayout) -> Sender:
+    """The transfer plane's sender for ``layout`` (or the discarding one)."""
     if config.sender == "none":
         return DiscardingSender()
-    from common.transfer.layout import layout_for
     from common.transfer.sender import EmbeddingSender
 
-    checkpoint = pipeline.checkpoint
-    # Rows travel in the deployment's wire dtype whatever the tower computes in.
-    layout = layout_for(config.transfer, checkpoint.hidden_size, checkpoint.num_deepstack)
     return EmbeddingSender(config.transfer, layout)
 
 
@@ -64,8 +64,20 @@ class EncoderService:
     ) -> None:
         self.config = config
         self.pipeline = EncoderPipeline(model_path, config)
+        checkpoint = self.pipeline.checkpoint
+        # Rows travel in the deployment's wire dtype whatever the tower computes in.
+        self.layout = layout_for(config.transfer, checkpoint.hidden_size, checkpoint.num_deepstack)
+        self.max_prompt_tokens = config.prompt_token_limit
         self.rooms = RoomTable(config.result_ttl_s)
-        self.sender = sender if sender is not None else create_sender(config, self.pipeline)
+        self.sender = sender if sender is not None else create_sender(config, self.layout)
+        tower = self.pipeline.tower
+        logger.info(
+            "encoder: device %s, compute dtype %s, wire dtype %s, max prompt %d tokens",
+            tower.device,
+            dtype_name(tower.dtype),
+            dtype_name(self.layout.dtype),
+            self.max_prompt_tokens,
+        )
         self.shipper = Shipper(
             self.sender, self.rooms, config.submit_retry_s, config.submit_timeout_s
         )
@@ -137,6 +149,8 @@ class EncoderService:
             cache=dataclasses.asdict(cache.stats()) if cache is not None else {},
             sender=self.sender.stats(),
             sender_endpoint=self.sender.endpoint,
+            transfer_layout=self.layout,
+            max_prompt_tokens=self.max_prompt_tokens,
         )
 
     def close(self) -> None:

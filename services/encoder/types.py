@@ -91,7 +91,7 @@ class EncodedPrompt:
 
     fill_ids: np.ndarray  # int32 [L]
     positions: np.ndarray  # int32 [3, L]
-    image_rows: torch.Tensor  # [M, hidden*(1+num_deepstack)], image tokens in token order (CPU)
+    image_rows: torch.Tensor  # [M, hidden*(1+num_deepstack)] in the wire dtype, token order (CPU)
     image_mask: np.ndarray  # bool [L], True at the M image tokens
     mrope_delta: int
     num_items: int  # images

@@ -20,12 +20,13 @@ STARTUP_TIMEOUT_S = 90
 
 
 @pytest.fixture(scope="module")
-def server_address(qwen25_dir):
+def server(qwen25_dir):
+    """(address, start-up log lines) of an encoder process."""
     env = dict(os.environ, GLOG_minloglevel="2", EPD_ENCODER_MAX_IMAGES="2")
     cmd = [
         sys.executable, "-m", "services.encoder.server",
         "--model-path", str(qwen25_dir), "--device", "cpu", "--port", "0",
-        "--sender", "transfer", "--transfer-num-blocks", "16", "--transfer-transport", "shm",
+        "--sender", "transfer", "--transfer-num-blocks", "32", "--transfer-transport", "shm",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
@@ -42,7 +43,7 @@ def server_address(qwen25_dir):
     if address is None:
         proc.kill()
         pytest.fail("encoder did not start:\n" + "".join(lines[-30:]))
-    yield address
+    yield address, lines
     proc.terminate()
     try:
         assert proc.wait(timeout=20) == 0
@@ -52,9 +53,9 @@ def server_address(qwen25_dir):
 
 
 @pytest.fixture(scope="module")
-def channel(server_address):
+def channel(server):
     with grpc.insecure_channel(
-        server_address, options=[("grpc.max_send_message_length", 64 << 20)]
+        server[0], options=[("grpc.max_send_message_length", 64 << 20)]
     ) as ch:
         yield ch
 
@@ -86,7 +87,12 @@ def test_encode_wait_and_load(channel):
     assert outcome.num_tokens == reply.num_tokens
     load = stub.GetLoad(encoder_pb2.GetLoadRequest())
     assert load.num_images_encoded == 1 and load.cache.num_misses == 1
-    assert load.free_blocks < 16 and load.sender_endpoint == reply.sender_endpoint
+    assert load.free_blocks < 32 and load.sender_endpoint == reply.sender_endpoint
+    # what heartbeats advertise: the rows it sends, the longest prompt (the buffer's 32 blocks)
+    assert load.transfer_layout == common_pb2.TransferLayout(
+        hidden_size=128, num_deepstack=0, dtype="bfloat16", block_size=128
+    )
+    assert load.max_prompt_tokens == 32 * 128
 
     # a large image needs a raised receive limit (5+ MB)
     big = encode_bytes(noise_image(1400, 1400, 2))
@@ -112,6 +118,12 @@ def test_errors_map_to_status_codes(channel):
         stub.WaitEncoded(encoder_pb2.WaitEncodedRequest(room=999))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert stub.Encode(_request(25, common_pb2.ImageSource(data=png))).num_images == 1
+
+
+def test_start_up_line_names_device_and_dtypes(server):
+    lines = [line for line in server[1] if "compute dtype" in line]
+    assert len(lines) == 1
+    assert "device cpu, compute dtype float32, wire dtype bfloat16, max prompt 4096" in lines[0]
 
 
 def test_health_and_reflection(channel):
