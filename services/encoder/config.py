@@ -55,6 +55,11 @@ class EncoderConfig:
         16384, help="patch budget of one ViT forward (an image larger than it runs alone)"
     )
     max_queued_requests: int = field(64, help="requests queued or encoding; more are refused")
+    max_queued_pixel_mb: int = field(
+        1024,
+        help="MiB of image patches (fp32, ~19 KB per image token) queued requests may hold; a "
+        "request that would exceed it is refused with RESOURCE_EXHAUSTED unless none are held",
+    )
     cache_mb: int = field(512, help="embedding cache size in MiB; 0 disables it")
     # shipping
     sender: str = field("transfer", help="transfer (ship to the language side) | none")
@@ -75,6 +80,7 @@ class EncoderConfig:
             "max_prompt_tokens",
             "max_batch_patches",
             "max_queued_requests",
+            "max_queued_pixel_mb",
         )
         for name in positive:
             if getattr(self, name) <= 0:

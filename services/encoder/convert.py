@@ -69,6 +69,7 @@ def load_to_proto(load: LoadReport) -> encoder_pb2.LoadReport:
         num_queued_requests=load.num_queued_requests,
         num_queued_images=load.num_queued_images,
         num_waiting_for_blocks=load.num_waiting_for_blocks,
+        queued_pixel_bytes=load.queued_pixel_bytes,
         num_forwards=load.num_forwards,
         num_images_encoded=load.num_images_encoded,
         cache=encoder_pb2.CacheStats(**load.cache) if load.cache else None,

@@ -40,6 +40,7 @@ class LoadReport:
     num_queued_requests: int  # accepted, not yet handed to the sender
     num_queued_images: int  # images waiting for the ViT
     num_waiting_for_blocks: int  # encoded, the sender short of blocks
+    queued_pixel_bytes: int  # image patches held by queued requests
     num_forwards: int
     num_images_encoded: int
     cache: dict  # CacheStats fields (empty when the cache is off)
@@ -93,15 +94,17 @@ class EncoderService:
             raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
         try:
             prompt = self.pipeline.prepare(request.messages, (), request.limits)
-        except InvalidInput as exc:
+        except (InvalidInput, Overloaded) as exc:
             self._reject(request.room, str(exc))
             raise
         record = RoomRecord(request.room, request.request_id, prompt.num_tokens, len(prompt.images))
         try:
             added = self.rooms.add(record, self.config.max_queued_requests)
         except ValueError as exc:
+            self.pipeline.discard(prompt)
             raise RoomInUse(str(exc)) from None
         if not added:
+            self.pipeline.discard(prompt)
             self._reject(request.room, "encoder queue full")
             raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
         room = request.room
@@ -123,6 +126,7 @@ class EncoderService:
         try:
             self.pipeline.submit(prompt, on_done)
         except RuntimeError as exc:  # shutting down
+            self.pipeline.discard(prompt)
             self.rooms.discard(room)
             raise Overloaded(str(exc)) from None
         return Accepted(
@@ -144,6 +148,7 @@ class EncoderService:
             num_queued_requests=self.rooms.num_active(),
             num_queued_images=batcher.num_queued_images,
             num_waiting_for_blocks=self.shipper.num_waiting_for_blocks,
+            queued_pixel_bytes=self.pipeline.budget.used_bytes,
             num_forwards=batcher.num_forwards,
             num_images_encoded=batcher.num_images_encoded,
             cache=dataclasses.asdict(cache.stats()) if cache is not None else {},

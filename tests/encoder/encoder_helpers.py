@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import numpy as np
 from PIL import Image
@@ -23,3 +25,44 @@ def encode_bytes(img: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
 def user_turn(num_images: int, text: str = "Describe the picture.") -> list[dict]:
     content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": text}]
     return [{"role": "user", "content": content}]
+
+
+def png16(values: np.ndarray) -> bytes:
+    """A 16-bit PNG written by hand (PIL writes 16-bit grey only): ``values`` uint16 ``[h, w]``
+    (grey), ``[h, w, 3]`` (RGB) or ``[h, w, 4]`` (RGBA)."""
+    color_type = {1: 0, 3: 2, 4: 6}[1 if values.ndim == 2 else values.shape[2]]
+    h, w = values.shape[:2]
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    raw = b"".join(b"\x00" + values[y].astype(">u2").tobytes() for y in range(h))
+    header = struct.pack(">IIBBBBB", w, h, 16, color_type, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
+
+
+def tiff_grey(values: np.ndarray, big_endian: bool = True) -> bytes:
+    """A one-strip grey TIFF written by hand: uint16, int32 or float32 ``values`` ``[h, w]``
+    (PIL writes no big-endian 16-bit TIFF)."""
+    order = ">" if big_endian else "<"
+    kind = {np.dtype(np.uint16): (16, 1), np.dtype(np.int32): (32, 2)}
+    bits, sample_format = kind.get(values.dtype, (32, 3))
+    data = values.astype(values.dtype.newbyteorder(order)).tobytes()
+    h, w = values.shape
+    tags = [  # (tag, type 3 = SHORT / 4 = LONG, value)
+        (256, 3, w), (257, 3, h), (258, 3, bits), (259, 3, 1), (262, 3, 1), (273, 4, 0),
+        (277, 3, 1), (278, 3, h), (279, 4, len(data)), (339, 3, sample_format),
+    ]  # fmt: skip
+    data_at = 8 + 2 + 12 * len(tags) + 4
+    out = (b"MM\x00\x2a" if big_endian else b"II\x2a\x00") + struct.pack(order + "IH", 8, len(tags))
+    for tag, typ, value in tags:
+        value = data_at if tag == 273 else value
+        fmt = "HHIHH" if typ == 3 else "HHII"
+        out += struct.pack(order + fmt, tag, typ, 1, value, *((0,) if typ == 3 else ()))
+    return out + struct.pack(order + "I", 0) + data
