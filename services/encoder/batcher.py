@@ -13,9 +13,9 @@ they came; a finished, expired or cancelled task gives back all of its images.
 
 A task whose images all have rows is finished with ``on_done(task, None)`` on this thread, so
 ``on_done`` must not block (shipping runs elsewhere); a failed forward or an expired deadline
-finishes its tasks with the error. ``cancel`` removes a task: it is never finished. A task
-inside the running step is only marked; the loop drops it when the step ends, so a forward never
-loses the pixels it is reading.
+finishes its tasks with the error. ``cancel`` removes a task (queued, or not submitted yet): it
+is never finished. A task inside the running step is only marked; the loop drops it when the
+step ends, so a forward never loses the pixels it is reading.
 """
 
 from __future__ import annotations
@@ -93,23 +93,25 @@ class VisionBatcher:
         self._thread.start()
 
     def submit(self, task: EncodeTask) -> None:
+        """Queue ``task`` (one already cancelled is dropped instead)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the ViT loop is closed")
-            self._tasks.append(task)
-            self._cond.notify()
-
-    def cancel(self, task: EncodeTask) -> bool:
-        """Remove ``task`` unencoded; it is never finished. False when it is no longer queued."""
-        with self._cond:
-            if task not in self._tasks:
-                return False
-            task.cancelled = True
-            self._tasks.remove(task)
-            if id(task) in self._in_step:
-                return True  # the loop drops it (and its pixels) when the step ends
+            if not task.cancelled:
+                self._tasks.append(task)
+                self._cond.notify()
+                return
         self._drop(task)
-        return True
+
+    def cancel(self, task: EncodeTask) -> None:
+        """Take ``task`` off the loop unencoded, queued or not yet; it is never finished."""
+        with self._cond:
+            task.cancelled = True
+            if task in self._tasks:
+                self._tasks.remove(task)
+            if id(task) in self._in_step:
+                return  # the loop drops it (and its pixels) when the step ends
+        self._drop(task)
 
     @property
     def num_queued_images(self) -> int:

@@ -64,7 +64,11 @@ class EncoderConfig:
     # shipping
     sender: str = field("transfer", help="transfer (ship to the language side) | none")
     submit_retry_s: float = field(0.005, help="retry interval when the sender is short of blocks")
-    submit_timeout_s: float = field(30.0, help="give up a room the sender cannot take this long")
+    default_timeout_s: float = field(
+        120.0,
+        help="deadline of a room whose Encode carries no timeout_s, in seconds from its arrival "
+        "(a room waits for the ViT and for transfer blocks until then, not longer)",
+    )
     result_ttl_s: float = field(300.0, help="how long a finished room's outcome stays queryable")
     transfer: TransferConfig = field(TransferConfig(), help="the transfer plane (EPD_TRANSFER_*)")
     worker: WorkerConfig = field(WorkerConfig(), help="registration and metrics")
@@ -85,7 +89,7 @@ class EncoderConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("url_timeout_s", "submit_retry_s", "submit_timeout_s", "result_ttl_s"):
+        for name in ("url_timeout_s", "submit_retry_s", "default_timeout_s", "result_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_aspect_ratio < 1:

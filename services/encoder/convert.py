@@ -22,6 +22,7 @@ def request_from_proto(msg: encoder_pb2.EncodeRequest) -> EncodeRequest:
         request_id=msg.request_id,
         messages=tuple(_message(m) for m in msg.messages),
         limits=limits,
+        timeout_s=msg.timeout_s,
     )
 
 

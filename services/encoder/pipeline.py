@@ -142,10 +142,14 @@ class EncoderPipeline:
         for image in prompt.images:
             self.budget.release_image(image)
 
-    def submit(
-        self, prompt: Prompt, on_done: Callable[[EncodedPrompt | None, BaseException | None], None]
-    ) -> None:
-        """Queue ``prompt``'s images on the ViT loop; ``on_done`` runs on the loop thread."""
+    def make_task(
+        self,
+        prompt: Prompt,
+        on_done: Callable[[EncodedPrompt | None, BaseException | None], None],
+        deadline: float = float("inf"),
+    ) -> EncodeTask:
+        """The ViT task of ``prompt`` (not queued yet: ``batcher.submit`` queues it).
+        ``on_done`` runs on the loop thread, unless the task is cancelled."""
 
         def finish(task: EncodeTask, error: BaseException | None) -> None:
             if error is not None:
@@ -153,7 +157,18 @@ class EncoderPipeline:
                 return
             on_done(self._encoded(prompt, task), None)
 
-        self.batcher.submit(EncodeTask(prompt.images, finish))
+        return EncodeTask(prompt.images, finish, deadline)
+
+    def submit(
+        self,
+        prompt: Prompt,
+        on_done: Callable[[EncodedPrompt | None, BaseException | None], None],
+        deadline: float = float("inf"),
+    ) -> EncodeTask:
+        """Queue ``prompt``'s images on the ViT loop; ``on_done`` runs on the loop thread."""
+        task = self.make_task(prompt, on_done, deadline)
+        self.batcher.submit(task)
+        return task
 
     def encode(
         self,

@@ -2,28 +2,37 @@
 
 ``accept`` runs synchronously on the caller's thread: queue bound, intake, validation, resize,
 tokenization and positions. A bad request raises ``InvalidInput`` and nothing is queued; a full
-queue raises ``Overloaded``. Either way the room is failed at the sender, so a language worker
-already waiting on it learns at once. An accepted request's images go to the ViT loop; when its
-rows are ready the shipper hands them to the sender. ``wait`` reports the outcome.
+queue or pixel budget raises ``Overloaded``. Either way the room is failed at the sender, so a
+language worker already waiting on it learns at once. An accepted room gets its deadline (the
+request's ``timeout_s``, else ``default_timeout_s``), announced to the sender (``expect``); its
+images go to the ViT loop (dropped unencoded if the deadline passes first); when its rows are
+ready the shipper hands them to the sender. ``cancel`` ends a room in any state; ``wait``
+reports the outcome. The room's state lives in one place, the ``RoomTable``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.transfer.layout import BufferLayout, dtype_name, layout_for
 
 from .config import EncoderConfig
-from .errors import InvalidInput, Overloaded, RoomInUse, UnknownRoom
+from .errors import DeadlineExpired, InvalidInput, Overloaded, RoomInUse, UnknownRoom
 from .pipeline import EncoderPipeline
 from .rooms import RoomRecord, RoomTable
 from .shipping import DiscardingSender, Sender, Shipper
 from .types import EncodedPrompt, EncodeRequest, RoomStatus
 
 logger = logging.getLogger(__name__)
+
+MAX_REASON_CHARS = 200  # of a cancel reason, which travels on to the receiver
+OnEncoded = Callable[[EncodedPrompt | None, BaseException | None], None]
 
 
 @dataclass(frozen=True)
@@ -79,25 +88,27 @@ class EncoderService:
             dtype_name(self.layout.dtype),
             self.max_prompt_tokens,
         )
-        self.shipper = Shipper(
-            self.sender, self.rooms, config.submit_retry_s, config.submit_timeout_s
-        )
+        self.shipper = Shipper(self.sender, self.rooms, config.submit_retry_s)
 
     def accept(self, request: EncodeRequest) -> Accepted:
         """Validate and queue ``request``.
 
         Raises ``InvalidInput``, ``Overloaded`` or ``RoomInUse``.
         """
-        self._check_new(request.room)
-        if self.rooms.num_active() >= self.config.max_queued_requests:
-            self._reject(request.room, "encoder queue full")
-            raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
+        room = request.room
+        self._check_new(room)
         try:
+            deadline = self._deadline(request.timeout_s)
+            if self.rooms.num_active() >= self.config.max_queued_requests:
+                raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
             prompt = self.pipeline.prepare(request.messages, (), request.limits)
         except (InvalidInput, Overloaded) as exc:
-            self._reject(request.room, str(exc))
+            self._reject(room, str(exc))
             raise
-        record = RoomRecord(request.room, request.request_id, prompt.num_tokens, len(prompt.images))
+        task = self.pipeline.make_task(prompt, self._on_encoded(room), deadline)
+        record = RoomRecord(
+            room, request.request_id, prompt.num_tokens, len(prompt.images), deadline, task=task
+        )
         try:
             added = self.rooms.add(record, self.config.max_queued_requests)
         except ValueError as exc:
@@ -105,29 +116,17 @@ class EncoderService:
             raise RoomInUse(str(exc)) from None
         if not added:
             self.pipeline.discard(prompt)
-            self._reject(request.room, "encoder queue full")
+            self._reject(room, "encoder queue full")
             raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
-        room = request.room
-
-        def on_done(encoded: EncodedPrompt | None, error: BaseException | None) -> None:
-            if error is not None or encoded is None:
-                reason = f"encoding failed: {error}"
-                self.sender.fail(room, reason)
-                self.rooms.update(room, RoomStatus.FAILED, reason)
-                return
-            self.rooms.update(
-                room,
-                RoomStatus.ENCODED,
-                num_cache_hits=encoded.num_cache_hits,
-                encode_s=encoded.encode_s,
-            )
-            self.shipper.ship(room, encoded)
-
+        expect = getattr(self.sender, "expect", None)
+        if expect is not None:
+            expect(room, deadline)  # the receiver's wait for our data is not a timeout
         try:
-            self.pipeline.submit(prompt, on_done)
+            self.pipeline.batcher.submit(task)
         except RuntimeError as exc:  # shutting down
             self.pipeline.discard(prompt)
             self.rooms.discard(room)
+            self._reject(room, str(exc))
             raise Overloaded(str(exc)) from None
         return Accepted(
             room=room,
@@ -136,6 +135,18 @@ class EncoderService:
             num_image_tokens=int(prompt.image_mask.sum()),
             image_hashes=[im.key.hex() for im in prompt.images],
         )
+
+    def cancel(self, room: int, reason: str) -> bool:
+        """Drop ``room`` whatever its state: queued patches freed unencoded, encoded rows
+        dropped, the sender's room failed (its blocks freed, the receiver told). False when the
+        room is unknown here; it is then remembered, so its late ``Encode`` is refused."""
+        reason = f"cancelled: {(reason or 'by the caller')[:MAX_REASON_CHARS]}"
+        found, task = self.rooms.cancel(room, reason)
+        if task is not None:
+            self.pipeline.batcher.cancel(task)
+        self.sender.fail(room, reason)
+        logger.info("room %d %s%s", room, reason, "" if found else " (unknown here)")
+        return found
 
     def wait(self, room: int, until: RoomStatus, timeout_s: float) -> RoomRecord:
         """The room's record once it reached ``until`` (or failed), or at the timeout."""
@@ -163,12 +174,35 @@ class EncoderService:
         self.shipper.close()
         self.sender.close()
 
+    def _on_encoded(self, room: int) -> OnEncoded:
+        """The ViT loop's callback for ``room`` (runs on its thread: must not block)."""
+
+        def on_done(encoded: EncodedPrompt | None, error: BaseException | None) -> None:
+            if error is not None or encoded is None:
+                kind = "deadline" if isinstance(error, DeadlineExpired) else "encoding failed"
+                reason = f"{kind}: {error}"
+                if self.rooms.fail(room, reason):
+                    self.sender.fail(room, reason)
+                return
+            fields = {"num_cache_hits": encoded.num_cache_hits, "encode_s": encoded.encode_s}
+            if self.rooms.advance(room, RoomStatus.ENCODED, encoded=encoded, **fields):
+                self.shipper.wake()
+
+        return on_done
+
+    def _deadline(self, timeout_s: float) -> float:
+        """The room's deadline (``time.monotonic``) from the request's time left."""
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            raise InvalidInput(f"timeout_s must be a finite number >= 0 (seconds), got {timeout_s}")
+        return time.monotonic() + (timeout_s or self.config.default_timeout_s)
+
     def _check_new(self, room: int) -> None:
         try:
-            self.rooms.get(room)
+            record = self.rooms.get(room)
         except UnknownRoom:
             return
-        raise RoomInUse(f"room {room} is already in use")
+        why = f": {record.error}" if record.error else ""
+        raise RoomInUse(f"room {room} is already in use ({record.status.name}{why})")
 
     def _reject(self, room: int, reason: str) -> None:
         try:

@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from protos.epd.v1 import encoder_pb2_grpc
+from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from . import convert
 from .errors import InvalidInput, Overloaded, RoomInUse, UnknownRoom
@@ -42,3 +42,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     def GetLoad(self, request, context):  # noqa: N802
         return convert.load_to_proto(self.service.load())
+
+    def Cancel(self, request, context):  # noqa: N802
+        found = self.service.cancel(request.room, request.reason)
+        return encoder_pb2.CancelReply(found=found)

@@ -52,6 +52,7 @@ class EncodeRequest:
     request_id: str
     messages: tuple[ChatMessage, ...]
     limits: RequestLimits = RequestLimits()
+    timeout_s: float = 0.0  # seconds the request has left; 0 = the encoder's default
 
 
 @dataclass(eq=False)

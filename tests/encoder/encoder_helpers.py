@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import struct
+import subprocess
+import sys
+import threading
 import zlib
 
 import numpy as np
@@ -66,3 +71,41 @@ def tiff_grey(values: np.ndarray, big_endian: bool = True) -> bytes:
         fmt = "HHIHH" if typ == 3 else "HHII"
         out += struct.pack(order + fmt, tag, typ, 1, value, *((0,) if typ == 3 else ()))
     return out + struct.pack(order + "I", 0) + data
+
+
+@contextlib.contextmanager
+def encoder_process(model_dir, *args: str, env: dict | None = None, startup_s: float = 90.0):
+    """An encoder server in its own process (``python -m services.encoder.server``); yields
+    ``(address, lines)`` where ``lines`` keeps filling with its output (drained by a thread, so
+    the child never blocks on a full pipe). Stopped with SIGTERM, which must exit cleanly."""
+    cmd = [
+        sys.executable, "-m", "services.encoder.server", "--model-path", str(model_dir),
+        "--device", "cpu", "--port", "0", *args,
+    ]  # fmt: skip
+    full_env = dict(os.environ, GLOG_minloglevel="2", MC_LOG_LEVEL="ERROR", **(env or {}))
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, text=True
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def drain() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("encoder listening on "):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        ready.wait(startup_s)
+        started = [line for line in lines if line.startswith("encoder listening on ")]
+        if not started:
+            raise RuntimeError("encoder did not start:\n" + "".join(lines[-30:]))
+        yield started[0].split()[3], lines
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0, "".join(lines[-30:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -3,53 +3,22 @@
 from __future__ import annotations
 
 import base64
-import os
-import subprocess
-import sys
-import time
 
 import grpc
 import pytest
-from encoder_helpers import encode_bytes, noise_image
+from encoder_helpers import encode_bytes, encoder_process, noise_image
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
-STARTUP_TIMEOUT_S = 90
-
 
 @pytest.fixture(scope="module")
 def server(qwen25_dir):
-    """(address, start-up log lines) of an encoder process."""
-    env = dict(os.environ, GLOG_minloglevel="2", EPD_ENCODER_MAX_IMAGES="2")
-    cmd = [
-        sys.executable, "-m", "services.encoder.server",
-        "--model-path", str(qwen25_dir), "--device", "cpu", "--port", "0",
-        "--sender", "transfer", "--transfer-num-blocks", "32", "--transfer-transport", "shm",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
-    )
-    address, lines = None, []
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline and address is None:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        if line.startswith("encoder listening on "):
-            address = line.split()[3]
-    if address is None:
-        proc.kill()
-        pytest.fail("encoder did not start:\n" + "".join(lines[-30:]))
-    yield address, lines
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    """(address, output lines) of an encoder process."""
+    args = ("--sender", "transfer", "--transfer-num-blocks", "32", "--transfer-transport", "shm")
+    with encoder_process(qwen25_dir, *args, env={"EPD_ENCODER_MAX_IMAGES": "2"}) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
