@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 from common.cli_config import field
 from common.transfer.config import TransferConfig
+from common.transfer.types import MAX_EXTRA_BYTES
 from common.worker import WorkerConfig
+
+from .aux_extra import extra_size_bound, max_images_that_fit
 
 ENV_PREFIX = "EPD_ENCODER_"
 SENDERS = ("transfer", "none")
@@ -39,7 +42,11 @@ class EncoderConfig:
     )
     min_image_side: int = field(2, help="smallest accepted image width or height, in pixels")
     max_aspect_ratio: float = field(200.0, help="largest accepted long side / short side")
-    max_images: int = field(16, help="most images in one request")
+    max_images: int = field(
+        16,
+        help="most images in one request (at most what one transfer aux record describes: 23 "
+        "with the default max_prompt_tokens)",
+    )
     max_prompt_tokens: int = field(32768, help="longest prompt after image expansion, in tokens")
     allowed_dirs: tuple[str, ...] = field((), help="directories local image paths may lie under")
     allow_urls: bool = field(False, help="fetch http(s) image URLs")
@@ -108,6 +115,15 @@ class EncoderConfig:
             raise ValueError(f"sender must be one of {SENDERS}, got {self.sender!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+        fit = max_images_that_fit(self.max_prompt_tokens)
+        if self.max_images > fit:
+            raise ValueError(
+                f"max_images ({self.max_images}) is more than a transfer aux record can describe: "
+                f"the hashes and token counts of {self.max_images} images need up to "
+                f"{extra_size_bound(self.max_images, self.max_prompt_tokens)} bytes, it holds "
+                f"{MAX_EXTRA_BYTES}; at most {fit} images fit (with max_prompt_tokens "
+                f"{self.max_prompt_tokens})"
+            )
 
     @property
     def prompt_token_limit(self) -> int:

@@ -9,14 +9,14 @@ on a receiver.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from typing import Protocol
 
-from common.transfer.types import MAX_EXTRA_BYTES, AuxInfo, RoomState
+from common.transfer.types import AuxInfo, RoomState
 
+from .aux_extra import encode_extra
 from .rooms import RoomTable
 from .types import EncodedPrompt, RoomStatus
 
@@ -65,32 +65,18 @@ class DiscardingSender:
         pass
 
 
-def aux_extra(encoded: EncodedPrompt) -> bytes:
-    """Small JSON for the language side: image hashes, tokens per image, cache hits, timing.
-
-    Hashes are shortened, then dropped, when the record would exceed ``MAX_EXTRA_BYTES``.
-    """
-    info = {
-        "hashes": encoded.image_hashes,
-        "tokens": encoded.image_token_counts,
-        "hits": encoded.num_cache_hits,
-        "encode_s": round(encoded.encode_s, 6),
-    }
-    for hash_len in (32, 16, 0):
-        info["hashes"] = [h[:hash_len] for h in encoded.image_hashes] if hash_len else []
-        data = json.dumps(info, separators=(",", ":")).encode()
-        if len(data) <= MAX_EXTRA_BYTES:
-            return data
-    return b"{}"
-
-
 def aux_info(encoded: EncodedPrompt) -> AuxInfo:
     return AuxInfo(
         total_tokens=encoded.num_tokens,
         num_image_rows=int(encoded.image_rows.shape[0]),
         mrope_delta=encoded.mrope_delta,
         num_items=encoded.num_items,
-        extra=aux_extra(encoded),
+        extra=encode_extra(
+            encoded.image_hashes,
+            encoded.image_token_counts,
+            hits=encoded.num_cache_hits,
+            encode_s=encoded.encode_s,
+        ),
     )
 
 
