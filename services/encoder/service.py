@@ -136,6 +136,14 @@ class EncoderService:
             image_hashes=[im.key.hex() for im in prompt.images],
         )
 
+    def refuse(self, room: int, reason: str) -> None:
+        """A request for ``room`` was refused before ``accept``: fail the room at the sender
+        (unless the id belongs to a room live here, which is not this request's to fail)."""
+        try:
+            self.rooms.get(room)
+        except UnknownRoom:
+            self._reject(room, reason)
+
     def cancel(self, room: int, reason: str) -> bool:
         """Drop ``room`` whatever its state: queued patches freed unencoded, encoded rows
         dropped, the sender's room failed (its blocks freed, the receiver told). False when the

@@ -23,7 +23,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     def Encode(self, request, context):  # noqa: N802
         try:
-            accepted = self.service.accept(convert.request_from_proto(request))
+            domain = convert.request_from_proto(request)
+        except InvalidInput as exc:
+            self.service.refuse(request.room, str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            accepted = self.service.accept(domain)
         except InvalidInput as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:

@@ -31,6 +31,7 @@ def stub(qwen25_dir):
     args = (
         "--transfer-num-blocks", str(NUM_BLOCKS), "--transfer-transport", "mooncake",
         "--max-batch-patches", "9216",  # a 1344x1344 image fills a forward alone
+        "--transfer-bootstrap-timeout-s", "600",  # rooms nobody pulls stay until cancelled
     )  # fmt: skip
     with encoder_process(qwen25_dir, *args) as (address, _lines):
         with grpc.insecure_channel(address) as channel:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 
 import grpc
 import pytest
@@ -16,7 +17,10 @@ from protos.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 @pytest.fixture(scope="module")
 def server(qwen25_dir):
     """(address, output lines) of an encoder process."""
-    args = ("--sender", "transfer", "--transfer-num-blocks", "32", "--transfer-transport", "shm")
+    args = (
+        "--sender", "transfer", "--transfer-num-blocks", "32", "--transfer-transport", "shm",
+        "--transfer-bootstrap-timeout-s", "600",  # rooms nobody pulls stay for the whole module
+    )  # fmt: skip
     with encoder_process(qwen25_dir, *args, env={"EPD_ENCODER_MAX_IMAGES": "2"}) as started:
         yield started
 
@@ -69,20 +73,35 @@ def test_encode_wait_and_load(channel):
     assert stub.Encode(_request(12, common_pb2.ImageSource(data=big))).num_images == 1
 
 
+def _encode_failed(stub) -> int:
+    stats = json.loads(stub.GetLoad(encoder_pb2.GetLoadRequest()).sender_stats_json)
+    return stats["failed_by_reason"].get("encode_failed", 0)
+
+
 def test_errors_map_to_status_codes(channel):
     stub = encoder_pb2_grpc.EncoderStub(channel)
     png = encode_bytes(noise_image(56, 56))
+    no_time = _request(27, common_pb2.ImageSource(data=png))
+    no_time.timeout_s = float("nan")
+    failed_before = _encode_failed(stub)
     cases = [
         (_request(21, common_pb2.ImageSource(data=b"nope")), "INVALID_ARGUMENT", "not an image"),
         (_request(22, common_pb2.ImageSource(base64="@@@")), "INVALID_ARGUMENT", "base64"),
         (_request(23, *[common_pb2.ImageSource(data=png)] * 3), "INVALID_ARGUMENT", "limit is 2"),
         (_request(24, common_pb2.ImageSource(url="http://10.0.0.1/")), "INVALID_ARGUMENT", "URLs"),
+        (_request(26, common_pb2.ImageSource()), "INVALID_ARGUMENT", "image part without a source"),
+        (no_time, "INVALID_ARGUMENT", "timeout_s must be a finite number >= 0"),
         (_request(11, common_pb2.ImageSource(data=png)), "ALREADY_EXISTS", "room 11"),
     ]  # fmt: skip
     for request, code, needle in cases:
         with pytest.raises(grpc.RpcError) as info:
             stub.Encode(request)
         assert info.value.code().name == code and needle in info.value.details()
+    # each refused room was failed at the sender (a waiting receiver learns at once), except
+    # the one whose id is live here: that room is not the refused request's to fail
+    assert _encode_failed(stub) - failed_before == len(cases) - 1
+    live = stub.WaitEncoded(encoder_pb2.WaitEncodedRequest(room=11))
+    assert live.status == encoder_pb2.ENCODE_STATUS_SUBMITTED
     with pytest.raises(grpc.RpcError) as info:
         stub.WaitEncoded(encoder_pb2.WaitEncodedRequest(room=999))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
