@@ -118,9 +118,7 @@ class EncoderService:
             self.pipeline.discard(prompt)
             self._reject(room, "encoder queue full")
             raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
-        expect = getattr(self.sender, "expect", None)
-        if expect is not None:
-            expect(room, deadline)  # the receiver's wait for our data is not a timeout
+        self._announce(room, deadline)
         try:
             self.pipeline.batcher.submit(task)
         except RuntimeError as exc:  # shutting down
@@ -197,6 +195,17 @@ class EncoderService:
                 self.shipper.wake()
 
         return on_done
+
+    def _announce(self, room: int, deadline: float) -> None:
+        """Tell the sender the room's data comes (or the room fails) before ``deadline``, so a
+        receiver waiting for it meanwhile does not time out (when the sender supports it)."""
+        expect = getattr(self.sender, "expect", None)
+        if expect is None:
+            return
+        try:
+            expect(room, deadline)
+        except Exception:  # advisory: the transfer plane's own timeouts still hold
+            logger.exception("sender.expect failed for room %d", room)
 
     def _deadline(self, timeout_s: float) -> float:
         """The room's deadline (``time.monotonic``) from the request's time left."""

@@ -9,10 +9,12 @@ import time
 
 import pytest
 from encoder_helpers import encode_bytes, noise_image
+from prometheus_client import generate_latest
 
 from common.transfer.types import RoomState
 from services.encoder.config import EncoderConfig
 from services.encoder.errors import InvalidInput, Overloaded, RoomInUse
+from services.encoder.metrics import create_registry
 from services.encoder.service import EncoderService
 from services.encoder.types import (
     ChatMessage,
@@ -214,6 +216,8 @@ def test_pixel_budget_refusal_is_overloaded_and_fails_the_room(qwen25_dir):
         service.accept(_request(1, encode_bytes(noise_image(700, 700, 1))))  # 11 MiB, alone
         assert entered.wait(30)
         assert service.load().queued_pixel_bytes == 625 * 18816
+        metrics = generate_latest(create_registry(service)).decode()
+        assert "epd_encoder_queued_pixel_bytes 1.176e+07" in metrics  # 625 * 18816
         with pytest.raises(Overloaded, match="pixel budget full"):
             service.accept(_request(2, PNG))
         assert "pixel budget full" in sender.failed[2]
