@@ -281,3 +281,18 @@ def test_cancel_in_every_state(qwen25_dir):
     finally:
         gate.set()
         service.close()
+
+
+def test_an_expect_that_fails_does_not_strand_the_room(qwen25_dir):
+    class BrokenExpect(FakeSender):
+        def expect(self, room, deadline):
+            raise RuntimeError("transfer plane refused the announcement")
+
+    sender = BrokenExpect()
+    service = _service(qwen25_dir, sender)
+    try:
+        service.accept(_request(1, PNG))
+        assert service.wait(1, RoomStatus.SHIPPED, 10).status == RoomStatus.SHIPPED
+        _idle(service)
+    finally:
+        service.close()
