@@ -151,7 +151,7 @@ class VisionBatcher:
         for task in expired:
             self.num_expired += 1
             waited = now - task.queued_at
-            self._end(task, DeadlineExpired(f"deadline passed after {waited:.1f}s in the queue"))
+            self._end(task, DeadlineExpired(f"passed after {waited:.1f}s in the ViT queue"))
         tasks = [t for t in tasks if now <= t.deadline]
         batch: list[PreparedImage] = []
         waiters: dict[bytes, list[tuple[EncodeTask, int]]] = {}
