@@ -1,12 +1,21 @@
 """The ViT loop: one background thread batches queued images up to a patch budget.
 
-Each step walks the queued tasks in FIFO order and, for every image still without rows:
-takes the rows from the cache (a hit skips the ViT), or joins an identical image already in
-this step's batch, or adds it to the batch while the patch budget allows (the first image
-always fits, so an image larger than the budget runs alone). One forward runs the batch
-(``grid_thw`` lists its images); its output is split per image, cached, and handed out.
+Each step first drops the tasks whose deadline passed (never encoded), then walks the queued
+tasks in FIFO order and, for every image still without rows: takes the rows from the cache (an
+identical image encoded since the task was admitted), or joins an identical image already in
+this step's batch, or adds it to the batch while the patch budget allows (the first image always
+fits, so an image larger than the budget runs alone). One forward runs the batch (``grid_thw``
+lists its images); its output is split per image, cast once to ``rows_dtype`` (the wire dtype:
+what the cache keeps and the sender ships, so a hit needs no cast), cached, and handed out.
+
+Pixels: an image's patches are given back (``release``) as soon as it has rows, whichever way
+they came; a finished, expired or cancelled task gives back all of its images.
+
 A task whose images all have rows is finished with ``on_done(task, None)`` on this thread, so
-``on_done`` must not block (shipping runs elsewhere).
+``on_done`` must not block (shipping runs elsewhere); a failed forward or an expired deadline
+finishes its tasks with the error. ``cancel`` removes a task (queued, or not submitted yet): it
+is never finished. A task inside the running step is only marked; the loop drops it when the
+step ends, so a forward never loses the pixels it is reading.
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import EmbeddingCache
+from .errors import DeadlineExpired
 from .types import PreparedImage
+from .vision import to_host
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +42,16 @@ class EncodeTask:
 
     images: list[PreparedImage]
     on_done: Callable[[EncodeTask, BaseException | None], None]
+    deadline: float = float("inf")  # time.monotonic(); past it the task is dropped unencoded
     rows: list[torch.Tensor | None] = field(default_factory=list)
-    checked: list[bool] = field(default_factory=list)  # cache looked up once (counted)
     num_cache_hits: int = 0
     queued_at: float = field(default_factory=time.monotonic)
     encode_s: float = 0.0  # ViT seconds spent on this task's batches
+    cancelled: bool = False
 
     def __post_init__(self) -> None:
-        self.rows = [None] * len(self.images)
-        self.checked = [False] * len(self.images)
+        self.rows = [image.rows for image in self.images]
+        self.num_cache_hits = sum(r is not None for r in self.rows)
 
     @property
     def is_ready(self) -> bool:
@@ -58,30 +70,48 @@ class VisionBatcher:
     def __init__(
         self,
         forward: Callable[[torch.Tensor, list[tuple[int, int, int]]], list[torch.Tensor]],
-        fill_pixels: Callable[[PreparedImage], torch.Tensor],
         cache: EmbeddingCache | None,
         max_batch_patches: int,
+        rows_dtype: torch.dtype,
+        release: Callable[[PreparedImage], None],
     ) -> None:
         self._forward = forward
-        self._fill_pixels = fill_pixels
         self._cache = cache
         self._max_batch_patches = max_batch_patches
+        self._rows_dtype = rows_dtype
+        self._release = release
         self._tasks: list[EncodeTask] = []
+        self._in_step: set[int] = set()  # ids of the tasks the running step took
         self._cond = threading.Condition()
         self._closed = False
         self.num_forwards = 0
         self.num_images_encoded = 0
+        self.num_expired = 0
         # Observer of each forward: (number of images, seconds). Set by the metrics.
         self.on_forward: Callable[[int, float], None] | None = None
         self._thread = threading.Thread(target=self._run, name="epd-vit", daemon=True)
         self._thread.start()
 
     def submit(self, task: EncodeTask) -> None:
+        """Queue ``task`` (one already cancelled is dropped instead)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the ViT loop is closed")
-            self._tasks.append(task)
-            self._cond.notify()
+            if not task.cancelled:
+                self._tasks.append(task)
+                self._cond.notify()
+                return
+        self._drop(task)
+
+    def cancel(self, task: EncodeTask) -> None:
+        """Take ``task`` off the loop unencoded, queued or not yet; it is never finished."""
+        with self._cond:
+            task.cancelled = True
+            if task in self._tasks:
+                self._tasks.remove(task)
+            if id(task) in self._in_step:
+                return  # the loop drops it (and its pixels) when the step ends
+        self._drop(task)
 
     @property
     def num_queued_images(self) -> int:
@@ -103,11 +133,26 @@ class VisionBatcher:
                     pending, self._tasks = self._tasks, []
                     break
                 tasks = list(self._tasks)
-            self._step(tasks)
+                self._in_step = {id(t) for t in tasks}
+            try:
+                self._step(tasks)
+            finally:
+                with self._cond:
+                    self._in_step = set()
+                for task in tasks:
+                    if task.cancelled:
+                        self._drop(task)
         for task in pending:
-            task.on_done(task, RuntimeError("encoder shutting down"))
+            self._end(task, RuntimeError("encoder shutting down"))
 
     def _step(self, tasks: list[EncodeTask]) -> None:
+        now = time.monotonic()
+        expired = [t for t in tasks if now > t.deadline]
+        for task in expired:
+            self.num_expired += 1
+            waited = now - task.queued_at
+            self._end(task, DeadlineExpired(f"passed after {waited:.1f}s in the ViT queue"))
+        tasks = [t for t in tasks if now <= t.deadline]
         batch: list[PreparedImage] = []
         waiters: dict[bytes, list[tuple[EncodeTask, int]]] = {}
         num_patches = 0
@@ -118,9 +163,10 @@ class VisionBatcher:
                 if image.key in waiters:
                     waiters[image.key].append((task, i))
                     continue
-                rows = self._lookup(task, i)
-                if rows is not None:
-                    task.rows[i] = rows
+                rows = self._cache.peek(image.key) if self._cache is not None else None
+                if rows is not None:  # encoded for another request since this one came in
+                    self._give(task, i, rows)
+                    task.num_cache_hits += 1
                     continue
                 if batch and num_patches + image.num_patches > self._max_batch_patches:
                     continue
@@ -130,23 +176,17 @@ class VisionBatcher:
         error: BaseException | None = None
         if batch:
             error = self._encode(batch, waiters)
-        self._finish(tasks, waiters if error else {}, error)
-
-    def _lookup(self, task: EncodeTask, i: int) -> torch.Tensor | None:
-        if self._cache is None:
-            task.checked[i] = True
-            return None
-        key = task.images[i].key
-        rows = self._cache.peek(key) if task.checked[i] else self._cache.get(key)
-        if rows is not None and not task.checked[i]:
-            task.num_cache_hits += 1
-        task.checked[i] = True
-        return rows
+        failed = {id(t) for entries in waiters.values() for t, _ in entries} if error else set()
+        for task in tasks:
+            if id(task) in failed:
+                self._end(task, error)
+            elif task.is_ready:
+                self._end(task, None)
 
     def _encode(self, batch: list[PreparedImage], waiters) -> BaseException | None:
         start = time.perf_counter()
         try:
-            pixels = torch.cat([self._fill_pixels(image) for image in batch])
+            pixels = torch.cat([image.pixel_values for image in batch])  # type: ignore[misc]
             per_image = self._forward(pixels, [image.grid_thw for image in batch])
         except Exception as exc:  # a failed forward fails its tasks, not the loop
             logger.exception("ViT forward failed for %d images", len(batch))
@@ -158,27 +198,34 @@ class VisionBatcher:
             self.on_forward(len(batch), elapsed)
         seen_tasks: set[int] = set()
         for image, rows in zip(batch, per_image, strict=True):
-            rows = rows.to("cpu").contiguous().clone()
+            rows = to_host(rows, self._rows_dtype)
             if self._cache is not None:
                 self._cache.put(image.key, rows)
-            image.pixel_values = None  # free the patches
             for task, i in waiters[image.key]:
-                task.rows[i] = rows
+                self._give(task, i, rows)
                 if id(task) not in seen_tasks:
                     task.encode_s += elapsed
                     seen_tasks.add(id(task))
         return None
 
-    def _finish(self, tasks: list[EncodeTask], failed_waiters, error) -> None:
-        failed = {id(t) for entries in failed_waiters.values() for t, _ in entries}
-        done = [t for t in tasks if id(t) in failed or t.is_ready]
-        if not done:
-            return
+    def _give(self, task: EncodeTask, i: int, rows: torch.Tensor) -> None:
+        task.rows[i] = rows
+        self._release(task.images[i])  # the patches are no longer needed
+
+    def _drop(self, task: EncodeTask) -> None:
+        for image in task.images:
+            self._release(image)
+
+    def _end(self, task: EncodeTask, error: BaseException | None) -> None:
+        """Finish ``task``: out of the queue, pixels given back, ``on_done`` unless cancelled."""
         with self._cond:
-            done_ids = {id(t) for t in done}
-            self._tasks = [t for t in self._tasks if id(t) not in done_ids]
-        for task in done:
-            try:
-                task.on_done(task, error if id(task) in failed else None)
-            except Exception:
-                logger.exception("on_done callback failed")
+            if task in self._tasks:
+                self._tasks.remove(task)
+            cancelled = task.cancelled
+        self._drop(task)
+        if cancelled:
+            return
+        try:
+            task.on_done(task, error)
+        except Exception:
+            logger.exception("on_done callback failed")

@@ -5,15 +5,20 @@ The transfer plane keeps its own ``TransferConfig`` (env ``EPD_TRANSFER_*``), ne
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from common.cli_config import field
 from common.transfer.config import TransferConfig
+from common.transfer.types import MAX_EXTRA_BYTES
 from common.worker import WorkerConfig
+
+from .aux_extra import extra_size_bound, max_images_that_fit
 
 ENV_PREFIX = "EPD_ENCODER_"
 SENDERS = ("transfer", "none")
-DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,12 @@ class EncoderConfig:
     port: int = field(0, help="gRPC port; 0 picks a free port")
     grpc_workers: int = field(8, help="gRPC handler threads (decoding runs on them)")
     max_message_mb: int = field(64, help="max gRPC receive message size in MiB")
-    device: str = field("auto", help="auto (cuda bf16 when present, else cpu fp32) | cpu | cuda")
+    device: str = field("auto", help="auto (cuda when present, else cpu) | cpu | cuda | cuda:N")
+    dtype: str = field(
+        "auto",
+        help="compute dtype of the vision tower: auto (bfloat16 on cuda, float32 on cpu) | "
+        "float32 | bfloat16 | float16; rows are cast once to the transfer dtype after the ViT",
+    )
     # intake
     max_image_bytes: int = field(20 << 20, help="largest encoded image accepted, in bytes")
     max_image_pixels: int = field(
@@ -32,7 +42,11 @@ class EncoderConfig:
     )
     min_image_side: int = field(2, help="smallest accepted image width or height, in pixels")
     max_aspect_ratio: float = field(200.0, help="largest accepted long side / short side")
-    max_images: int = field(16, help="most images in one request")
+    max_images: int = field(
+        16,
+        help="most images in one request (at most what one transfer aux record describes: 23 "
+        "with the default max_prompt_tokens)",
+    )
     max_prompt_tokens: int = field(32768, help="longest prompt after image expansion, in tokens")
     allowed_dirs: tuple[str, ...] = field((), help="directories local image paths may lie under")
     allow_urls: bool = field(False, help="fetch http(s) image URLs")
@@ -48,11 +62,20 @@ class EncoderConfig:
         16384, help="patch budget of one ViT forward (an image larger than it runs alone)"
     )
     max_queued_requests: int = field(64, help="requests queued or encoding; more are refused")
+    max_queued_pixel_mb: int = field(
+        1024,
+        help="MiB of image patches (fp32, ~19 KB per image token) queued requests may hold; a "
+        "request that would exceed it is refused with RESOURCE_EXHAUSTED unless none are held",
+    )
     cache_mb: int = field(512, help="embedding cache size in MiB; 0 disables it")
     # shipping
     sender: str = field("transfer", help="transfer (ship to the language side) | none")
     submit_retry_s: float = field(0.005, help="retry interval when the sender is short of blocks")
-    submit_timeout_s: float = field(30.0, help="give up a room the sender cannot take this long")
+    default_timeout_s: float = field(
+        120.0,
+        help="deadline of a room whose Encode carries no timeout_s, in seconds from its arrival "
+        "(a room waits for the ViT and for transfer blocks until then, not longer)",
+    )
     result_ttl_s: float = field(300.0, help="how long a finished room's outcome stays queryable")
     transfer: TransferConfig = field(TransferConfig(), help="the transfer plane (EPD_TRANSFER_*)")
     worker: WorkerConfig = field(WorkerConfig(), help="registration and metrics")
@@ -68,11 +91,12 @@ class EncoderConfig:
             "max_prompt_tokens",
             "max_batch_patches",
             "max_queued_requests",
+            "max_queued_pixel_mb",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("url_timeout_s", "submit_retry_s", "submit_timeout_s", "result_ttl_s"):
+        for name in ("url_timeout_s", "submit_retry_s", "default_timeout_s", "result_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_aspect_ratio < 1:
@@ -83,9 +107,28 @@ class EncoderConfig:
             raise ValueError(f"min_pixels ({self.min_pixels}) > max_pixels ({self.max_pixels})")
         if self.cache_mb < 0:
             raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.sender not in SENDERS:
             raise ValueError(f"sender must be one of {SENDERS}, got {self.sender!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+        fit = max_images_that_fit(self.max_prompt_tokens)
+        if self.max_images > fit:
+            raise ValueError(
+                f"max_images ({self.max_images}) is more than a transfer aux record can describe: "
+                f"the hashes and token counts of {self.max_images} images need up to "
+                f"{extra_size_bound(self.max_images, self.max_prompt_tokens)} bytes, it holds "
+                f"{MAX_EXTRA_BYTES}; at most {fit} images fit (with max_prompt_tokens "
+                f"{self.max_prompt_tokens})"
+            )
+
+    @property
+    def prompt_token_limit(self) -> int:
+        """The longest prompt accepted: ``max_prompt_tokens``, and no more than the transfer
+        buffer holds (a longer prompt could never be handed to the sender)."""
+        if self.sender == "none":
+            return self.max_prompt_tokens
+        return min(self.max_prompt_tokens, self.transfer.num_blocks * self.transfer.block_size)

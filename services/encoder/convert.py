@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from common.transfer.layout import BufferLayout, dtype_name
 from protos.epd.v1 import common_pb2, encoder_pb2
 
 from .errors import InvalidInput
@@ -21,6 +22,7 @@ def request_from_proto(msg: encoder_pb2.EncodeRequest) -> EncodeRequest:
         request_id=msg.request_id,
         messages=tuple(_message(m) for m in msg.messages),
         limits=limits,
+        timeout_s=msg.timeout_s,
     )
 
 
@@ -68,10 +70,22 @@ def load_to_proto(load: LoadReport) -> encoder_pb2.LoadReport:
         num_queued_requests=load.num_queued_requests,
         num_queued_images=load.num_queued_images,
         num_waiting_for_blocks=load.num_waiting_for_blocks,
+        queued_pixel_bytes=load.queued_pixel_bytes,
         num_forwards=load.num_forwards,
         num_images_encoded=load.num_images_encoded,
         cache=encoder_pb2.CacheStats(**load.cache) if load.cache else None,
         free_blocks=int(load.sender.get("num_free_blocks", -1)),
         sender_endpoint=load.sender_endpoint,
         sender_stats_json=json.dumps(load.sender, default=str),
+        transfer_layout=layout_to_proto(load.transfer_layout),
+        max_prompt_tokens=load.max_prompt_tokens,
+    )
+
+
+def layout_to_proto(layout: BufferLayout) -> common_pb2.TransferLayout:
+    return common_pb2.TransferLayout(
+        hidden_size=layout.hidden_size,
+        num_deepstack=layout.num_deepstack,
+        dtype=dtype_name(layout.dtype),
+        block_size=layout.block_size,
     )

@@ -1,9 +1,10 @@
-"""Encoded bytes -> an RGB ``PIL.Image``, with the size limits checked before pixels are decoded.
+"""Encoded bytes -> an RGB ``PIL.Image``, in two steps so limits come before pixels.
 
-* Size limits are checked on the header, before ``load()``: a decompression bomb is refused
-  without allocating its pixels (PIL's own global ``MAX_IMAGE_PIXELS`` is left untouched).
-* EXIF orientation is applied.
-* Every mode becomes RGB; transparency is composited on white.
+* ``open_image`` reads only the header (PIL opens lazily) and checks the size limits there: a
+  decompression bomb or an over-long prompt is refused without allocating any pixels (PIL's own
+  global ``MAX_IMAGE_PIXELS`` is left untouched).
+* ``load_rgb`` decodes the pixels, applies the EXIF orientation and converts every mode to 8-bit
+  RGB (``color.to_rgb``: transparency on white, 16-bit and float images scaled).
 * Animated images (GIF, APNG, WebP): only the first frame is used.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .color import to_rgb
 from .errors import InvalidInput
 
 
@@ -44,34 +46,33 @@ def check_size(width: int, height: int, limits: DecodeLimits) -> None:
         )
 
 
-def decode_image(data: bytes, limits: DecodeLimits) -> Image.Image:
-    """Decode ``data`` to an RGB image that satisfies ``limits``."""
+def open_image(data: bytes, limits: DecodeLimits) -> Image.Image:
+    """``data`` opened lazily (header read, no pixels decoded) after its size passed ``limits``."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data))
-            check_size(img.width, img.height, limits)
-            img.seek(0)  # NOTE: first frame of an animation
-            img.load()
-    except InvalidInput:
-        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise InvalidInput(f"image refused as a decompression bomb ({exc})") from None
     except UnidentifiedImageError:
         raise InvalidInput("data is not an image in a supported format") from None
     except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as exc:
         raise InvalidInput(f"corrupt or truncated image ({exc})") from None
-    img = ImageOps.exif_transpose(img)
+    check_size(img.width, img.height, limits)
+    return img
+
+
+def load_rgb(img: Image.Image) -> Image.Image:
+    """Decode an image from ``open_image``: first frame, EXIF orientation, 8-bit RGB."""
+    try:
+        img.seek(0)  # NOTE: first frame of an animation
+        img.load()
+        ImageOps.exif_transpose(img, in_place=True)
+    except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as exc:
+        raise InvalidInput(f"corrupt or truncated image ({exc})") from None
     return to_rgb(img)
 
 
-def to_rgb(img: Image.Image) -> Image.Image:
-    """RGB copy of ``img``; alpha (or palette transparency) is composited on white."""
-    if img.mode == "RGB":
-        return img
-    has_alpha = img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
-    if has_alpha:
-        rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return img.convert("RGB")
+def decode_image(data: bytes, limits: DecodeLimits) -> Image.Image:
+    """Decode ``data`` to an RGB image that satisfies ``limits``."""
+    return load_rgb(open_image(data, limits))

@@ -25,3 +25,7 @@ class UnknownRoom(KeyError):
 
 class RoomInUse(ValueError):
     """The room id is already live on this encoder: ALREADY_EXISTS."""
+
+
+class DeadlineExpired(RuntimeError):
+    """The request's deadline passed before its work was done; the room is failed."""

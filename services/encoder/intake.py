@@ -1,16 +1,42 @@
-"""Request images -> validated RGB images: source policy, decoding and size limits together."""
+"""Request images -> validated RGB images: source policy, header limits, then decoding.
+
+``open`` reads the source (within its byte limit) and the image header only, and checks the
+size limits there; ``decode`` turns what ``open`` returned into 8-bit RGB pixels. Callers check
+everything the header tells (size, token count) between the two. Every failure is an
+``InvalidInput`` naming the image's index in its request.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from PIL import Image
 
+from .color import to_rgb
 from .config import EncoderConfig
-from .decode import DecodeLimits, check_size, decode_image, to_rgb
+from .decode import DecodeLimits, check_size, load_rgb, open_image
 from .errors import InvalidInput
 from .sources import SourcePolicy, read_source
 from .types import ImageSource
 
 ImageInput = ImageSource | Image.Image | bytes
+
+
+@dataclass(frozen=True)
+class OpenedImage:
+    """An image whose header passed the limits. ``encoded``: opened lazily from bytes by the
+    intake (pixels not decoded yet, the object is ours); else a caller's decoded image."""
+
+    image: Image.Image
+    encoded: bool
+
+    @property
+    def width(self) -> int:
+        return self.image.width
+
+    @property
+    def height(self) -> int:
+        return self.image.height
 
 
 class ImageIntake:
@@ -28,16 +54,37 @@ class ImageIntake:
             max_aspect_ratio=config.max_aspect_ratio,
         )
 
-    def load(self, item: ImageInput, index: int) -> Image.Image:
-        """The RGB image of ``item`` (the ``index``-th image of its request, for errors)."""
-        try:
+    def open(self, item: ImageInput, index: int) -> OpenedImage:
+        """``item`` (the ``index``-th image of its request) with its header checked; an encoded
+        image is not decoded yet (its size is known, its pixels are not)."""
+        with _naming(index):
             if isinstance(item, Image.Image):
                 check_size(item.width, item.height, self.limits)
-                return to_rgb(item)
+                return OpenedImage(item, encoded=False)
             if isinstance(item, (bytes, bytearray, memoryview)):
                 item = ImageSource("data", bytes(item))
-            return decode_image(read_source(item, self.policy), self.limits)
-        except InvalidInput as exc:
-            if exc.item is not None:
-                raise
-            raise InvalidInput(str(exc), item=index) from None
+            return OpenedImage(open_image(read_source(item, self.policy), self.limits), True)
+
+    def decode(self, opened: OpenedImage, index: int) -> Image.Image:
+        """The 8-bit RGB pixels of an image from ``open``."""
+        with _naming(index):
+            return load_rgb(opened.image) if opened.encoded else to_rgb(opened.image)
+
+    def load(self, item: ImageInput, index: int) -> Image.Image:
+        """``open`` and ``decode`` in one step."""
+        return self.decode(self.open(item, index), index)
+
+
+class _naming:
+    """Re-raise an ``InvalidInput`` without an image index as one naming ``index``."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, InvalidInput) and exc.item is None:
+            raise InvalidInput(str(exc), item=self.index) from None
+        return False

@@ -64,6 +64,13 @@ def create_registry(service: EncoderService) -> CollectorRegistry:
                     {},
                 ),
                 (
+                    "gauge",
+                    "encoder_queued_pixel_bytes",
+                    "bytes of image patches held by queued requests",
+                    "queued_pixel_bytes",
+                    {},
+                ),
+                (
                     "counter",
                     "encoder_images_encoded",
                     "images run through the ViT",

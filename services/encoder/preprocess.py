@@ -2,12 +2,14 @@
 
 The image processor is called with ``do_resize=False`` on an image we resized ourselves with the
 same filter (bicubic), so the token count is known from ``smart_resize`` alone and the result
-equals what transformers' processor gives for the original image.
+equals what transformers' processor gives for the original image. ``plan`` gives the token count
+and the patch bytes from the header's size, before anything is decoded.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 import xxhash
@@ -16,6 +18,14 @@ from PIL import Image
 from .checkpoint import Checkpoint
 from .resize import smart_resize
 from .types import PreparedImage
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """An image's cost, known from its header before any pixel is decoded."""
+
+    num_tokens: int  # rows it yields
+    pixel_bytes: int  # bytes of its fp32 patches
 
 
 class ImagePreprocessor:
@@ -27,6 +37,8 @@ class ImagePreprocessor:
         self.patch_size = int(proc.patch_size)
         self.merge_size = int(proc.merge_size)
         self.factor = self.patch_size * self.merge_size
+        # values per patch: channels x frames (an image is repeated) x patch x patch, in fp32
+        self.patch_values = 3 * int(proc.temporal_patch_size) * self.patch_size**2
         size = proc.size
         self.min_pixels = min_pixels or int(size.shortest_edge)
         self.max_pixels = max_pixels or int(size.longest_edge)
@@ -47,6 +59,19 @@ class ImagePreprocessor:
         """(height, width) the image is resized to."""
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
 
+    def plan(self, width: int, height: int) -> ImagePlan:
+        """What a ``width`` x ``height`` image will cost, from its header alone.
+
+        Tokens and patch bytes do not depend on the orientation (smart_resize is symmetric),
+        so the EXIF rotation applied at decoding changes neither.
+        """
+        h, w = self.target_size(width, height)
+        num_patches = (h // self.patch_size) * (w // self.patch_size)  # one frame: t = 1
+        return ImagePlan(
+            num_tokens=num_patches // self.merge_size**2,
+            pixel_bytes=num_patches * self.patch_values * 4,
+        )
+
     def cache_key(self, img: Image.Image) -> bytes:
         """xxh3_128 of the decoded RGB pixels, their size and the preprocessing parameters."""
         h = xxhash.xxh3_128()
@@ -55,33 +80,25 @@ class ImagePreprocessor:
         h.update(img.tobytes())
         return h.digest()
 
-    def prepare(self, img: Image.Image, with_pixels: bool = True) -> PreparedImage:
-        """Resize ``img`` (RGB) and cut it into patches (``with_pixels=False``: key and grid only,
-        keeping the resized image so ``pixels`` can run later, e.g. after a cache eviction)."""
+    def prepare(self, img: Image.Image, key: bytes | None = None) -> PreparedImage:
+        """Resize ``img`` (RGB) and cut it into fp32 patches (``key``: its ``cache_key``)."""
+        key = key if key is not None else self.cache_key(img)
         height, width = self.target_size(img.width, img.height)
-        resized = (
-            img
-            if (img.height, img.width) == (height, width)
-            else img.resize((width, height), Image.Resampling.BICUBIC)
-        )
+        if (img.height, img.width) != (height, width):
+            img = img.resize((width, height), Image.Resampling.BICUBIC)
         grid = (1, height // self.patch_size, width // self.patch_size)
-        prepared = PreparedImage(
-            key=self.cache_key(img),
-            pixel_values=None,
+        out = self._processor(images=[img], do_resize=False, return_tensors="pt")
+        if tuple(int(x) for x in out["image_grid_thw"][0]) != grid:
+            raise RuntimeError(f"image processor grid {out['image_grid_thw'][0]} != {grid}")
+        return PreparedImage(
+            key=key,
             grid_thw=grid,
             num_tokens=grid[0] * grid[1] * grid[2] // self.merge_size**2,
-            resized=resized,
+            pixel_values=out["pixel_values"],
         )
-        if with_pixels:
-            self.fill_pixels(prepared)
-        return prepared
 
-    def fill_pixels(self, prepared: PreparedImage) -> torch.Tensor:
-        """Compute (once) and return ``prepared.pixel_values``."""
-        if prepared.pixel_values is None:
-            out = self._processor(images=[prepared.resized], do_resize=False, return_tensors="pt")
-            grid = tuple(int(x) for x in out["image_grid_thw"][0])
-            if grid != prepared.grid_thw:
-                raise RuntimeError(f"image processor grid {grid} != expected {prepared.grid_thw}")
-            prepared.pixel_values = out["pixel_values"]
-        return prepared.pixel_values
+    def cached(self, rows: torch.Tensor, key: bytes, img: Image.Image) -> PreparedImage:
+        """An image whose rows the cache holds: no resize, no patches."""
+        height, width = self.target_size(img.width, img.height)
+        grid = (1, height // self.patch_size, width // self.patch_size)
+        return PreparedImage(key, grid, grid[1] * grid[2] // self.merge_size**2, rows=rows)

@@ -45,28 +45,39 @@ class PromptBuilder:
         self._vocab_size = checkpoint.vocab_size
         self._rope = RopeIndexer(checkpoint)
 
-    def count_text_tokens(self, messages: list[dict]) -> np.ndarray:
+    def text_ids(self, messages: list[dict]) -> np.ndarray:
         """Token ids of the rendered template, one ``image_token_id`` per image."""
         text = self._tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
         return np.asarray(self._tokenizer(text)["input_ids"], dtype=np.int64)
 
-    def build(
-        self, messages: list[dict], images: list[PreparedImage], max_prompt_tokens: int
-    ) -> Prompt:
-        """The prompt of ``messages`` whose image parts are ``images`` in order."""
-        ids = self.count_text_tokens(messages)
+    def check_length(self, ids: np.ndarray, image_tokens: list[int], limit: int) -> int:
+        """The prompt's length once each image placeholder of ``ids`` is expanded to its
+        ``image_tokens``; ``InvalidInput`` when it exceeds ``limit``."""
+        num_images = int((ids == self._image_token_id).sum())
+        if num_images != len(image_tokens):
+            raise InvalidInput(
+                f"the chat template rendered {num_images} image placeholders for "
+                f"{len(image_tokens)} images"
+            )
+        num_text, num_image = len(ids) - num_images, sum(image_tokens)
+        total = num_text + num_image
+        if total > limit:
+            images = f"{num_images} image{'s' if num_images != 1 else ''}"
+            raise InvalidInput(
+                f"prompt is {total} tokens ({num_text} text + {num_image} image in {images}), "
+                f"more than the limit of {limit}"
+            )
+        return total
+
+    def build(self, ids: np.ndarray, images: list[PreparedImage]) -> Prompt:
+        """The prompt of the template ids ``ids`` whose image placeholders are ``images``."""
         where = np.flatnonzero(ids == self._image_token_id)
         if len(where) != len(images):
             raise InvalidInput(
                 f"the chat template rendered {len(where)} image placeholders for "
                 f"{len(images)} images"
-            )
-        total = len(ids) + sum(im.num_tokens - 1 for im in images)
-        if total > max_prompt_tokens:
-            raise InvalidInput(
-                f"prompt is {total} tokens after image expansion; the limit is {max_prompt_tokens}"
             )
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[where] = [im.num_tokens for im in images]

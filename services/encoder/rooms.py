@@ -1,19 +1,31 @@
-"""Accepted requests by room id: their status, for ``WaitEncoded`` and the load report.
+"""The encoder's rooms: the one owner of each accepted request's state and what it holds.
 
-A record moves forward only (``RoomStatus``); FAILED is final. Finished records are kept
-``ttl_s`` seconds so a late ``WaitEncoded`` still gets the outcome, then forgotten.
+A room moves forward only (``RoomStatus``: QUEUED -> ENCODED -> SUBMITTED -> SHIPPED) and can
+fail from any live state; FAILED and SHIPPED are final. What a room holds belongs to its state
+and is dropped as it leaves it: the ViT task while QUEUED, the encoded rows while ENCODED. Once
+SUBMITTED the transfer state is the sender's; the shipper only records how it ended. Every other
+part (the ViT loop's callback, the shipper, ``Cancel``) changes a room through this table, under
+its lock, so a room is failed, cancelled or advanced exactly once whoever gets there first.
+
+Final rooms are kept ``ttl_s`` seconds (at most ``max_finished`` of them) so a late
+``WaitEncoded`` still gets the outcome and a room id cannot be reused meanwhile; a room cancelled
+before its ``Encode`` arrived is kept the same way, so that ``Encode`` is refused.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from .batcher import EncodeTask
 from .errors import UnknownRoom
-from .types import RoomStatus
+from .types import EncodedPrompt, RoomStatus
 
 FINAL = (RoomStatus.SHIPPED, RoomStatus.FAILED)
+ACTIVE = (RoomStatus.QUEUED, RoomStatus.ENCODED)  # count against the encoder's queue
 
 
 @dataclass
@@ -22,53 +34,98 @@ class RoomRecord:
     request_id: str
     num_tokens: int
     num_images: int
+    deadline: float = float("inf")  # time.monotonic(): the request's own
     status: RoomStatus = RoomStatus.QUEUED
     error: str = ""
     num_cache_hits: int = 0
     encode_s: float = 0.0
     accepted_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
+    task: EncodeTask | None = None  # QUEUED: its images on the ViT loop
+    encoded: EncodedPrompt | None = None  # ENCODED: rows waiting for transfer blocks
+
+
+class Cancelled(NamedTuple):
+    found: bool  # the room was known here
+    task: EncodeTask | None  # its ViT task, to take off the loop (when it was QUEUED)
 
 
 class RoomTable:
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, max_finished: int = 100_000) -> None:
         self._ttl_s = ttl_s
+        self._max_finished = max_finished
         self._records: dict[int, RoomRecord] = {}
+        # live rooms by state, in the order they entered it; final ones by finishing time
+        self._live: dict[RoomStatus, dict[int, RoomRecord]] = {
+            status: {} for status in RoomStatus if status not in FINAL
+        }
+        self._finished: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._cond = threading.Condition()
 
     def add(self, record: RoomRecord, max_active: int) -> bool:
         """Register ``record``; False when ``max_active`` rooms are still being encoded.
 
-        Raises ValueError when the room id is already live.
+        Raises ValueError when the room id is already in use (live, or ended within the TTL).
         """
         with self._cond:
             self._expire()
-            if record.room in self._records:
-                raise ValueError(f"room {record.room} is already in use")
-            if self.num_active_locked() >= max_active:
+            known = self._records.get(record.room)
+            if known is not None:
+                why = f": {known.error}" if known.error else ""
+                raise ValueError(f"room {record.room} is already in use ({known.status.name}{why})")
+            if self._num_active() >= max_active:
                 return False
             self._records[record.room] = record
+            self._live[record.status][record.room] = record
             return True
 
     def discard(self, room: int) -> None:
+        """Forget a room that was never started."""
         with self._cond:
-            self._records.pop(room, None)
+            record = self._records.pop(room, None)
+            if record is not None:
+                self._live.get(record.status, {}).pop(room, None)
+            self._finished.pop(room, None)
 
-    def update(self, room: int, status: RoomStatus, error: str = "", **fields) -> None:
-        """Move ``room`` forward to ``status`` (ignored when not forward or the room is gone)."""
+    def advance(self, room: int, status: RoomStatus, **fields) -> bool:
+        """Move ``room`` forward to ``status`` (not FAILED: see ``fail``), setting ``fields``;
+        False, and nothing changed, when the room is gone, final or already past ``status``."""
         with self._cond:
             record = self._records.get(room)
-            if record is None or record.status == RoomStatus.FAILED:
-                return
-            if status < record.status and status != RoomStatus.FAILED:
-                return
-            record.status = status
-            record.error = error or record.error
+            if record is None or record.status in FINAL or status <= record.status:
+                return False
             for name, value in fields.items():
                 setattr(record, name, value)
-            if status in FINAL:
-                record.finished_at = time.monotonic()
-            self._cond.notify_all()
+            self._move(record, status)
+            return True
+
+    def fail(self, room: int, reason: str) -> bool:
+        """Fail a live ``room``; False when it is unknown or already final."""
+        with self._cond:
+            record = self._records.get(room)
+            if record is None or record.status in FINAL:
+                return False
+            record.error = reason
+            self._move(record, RoomStatus.FAILED)
+            return True
+
+    def cancel(self, room: int, reason: str) -> Cancelled:
+        """Fail ``room`` if live. An unknown room is remembered as cancelled (for the TTL)."""
+        with self._cond:
+            record = self._records.get(room)
+            if record is None:
+                self._expire()
+                record = RoomRecord(room, "", 0, 0, status=RoomStatus.FAILED)
+                record.error = f"{reason} (before its Encode arrived)"
+                self._records[room] = record
+                self._move(record, RoomStatus.FAILED)
+                return Cancelled(False, None)
+            if record.status in FINAL:
+                return Cancelled(True, None)
+            task = record.task
+            record.error = reason
+            self._move(record, RoomStatus.FAILED)
+            return Cancelled(True, task)
 
     def get(self, room: int) -> RoomRecord:
         with self._cond:
@@ -92,24 +149,50 @@ class RoomTable:
                     return record
                 self._cond.wait(left)
 
-    def rooms_with(self, status: RoomStatus) -> list[int]:
+    def encoded(self) -> list[tuple[int, EncodedPrompt, float]]:
+        """(room, rows, deadline) of the rooms waiting for transfer blocks, oldest first."""
         with self._cond:
-            return [r.room for r in self._records.values() if r.status == status]
+            live = self._live[RoomStatus.ENCODED].values()
+            return [(r.room, r.encoded, r.deadline) for r in live if r.encoded is not None]
+
+    def submitted(self) -> list[tuple[int, float]]:
+        """(room, deadline) of the rooms the sender holds."""
+        with self._cond:
+            return [(r.room, r.deadline) for r in self._live[RoomStatus.SUBMITTED].values()]
+
+    def num_in(self, status: RoomStatus) -> int:
+        """Live rooms in ``status`` (QUEUED, ENCODED or SUBMITTED)."""
+        with self._cond:
+            return len(self._live[status])
 
     def num_active(self) -> int:
         with self._cond:
-            return self.num_active_locked()
+            return self._num_active()
 
-    def num_active_locked(self) -> int:
-        active = (RoomStatus.QUEUED, RoomStatus.ENCODED)
-        return sum(r.status in active for r in self._records.values())
+    def _num_active(self) -> int:
+        return sum(len(self._live[status]) for status in ACTIVE)
+
+    def _move(self, record: RoomRecord, status: RoomStatus) -> None:
+        """Set ``status`` and drop what the room held in the states it left (lock held)."""
+        self._live.get(record.status, {}).pop(record.room, None)
+        record.status = status
+        if status in self._live:
+            self._live[status][record.room] = record
+        if status != RoomStatus.QUEUED:
+            record.task = None
+        if status != RoomStatus.ENCODED:
+            record.encoded = None
+        if status in FINAL:
+            record.finished_at = time.monotonic()
+            self._finished[record.room] = record.finished_at
+        self._cond.notify_all()
 
     def _expire(self) -> None:
+        """Forget final rooms past the TTL, oldest first, and beyond ``max_finished``."""
         now = time.monotonic()
-        stale = [
-            room
-            for room, r in self._records.items()
-            if r.finished_at is not None and now - r.finished_at > self._ttl_s
-        ]
-        for room in stale:
-            del self._records[room]
+        while self._finished:
+            room, finished_at = next(iter(self._finished.items()))
+            if now - finished_at <= self._ttl_s and len(self._finished) <= self._max_finished:
+                break
+            del self._finished[room]
+            self._records.pop(room, None)

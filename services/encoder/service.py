@@ -2,26 +2,37 @@
 
 ``accept`` runs synchronously on the caller's thread: queue bound, intake, validation, resize,
 tokenization and positions. A bad request raises ``InvalidInput`` and nothing is queued; a full
-queue raises ``Overloaded``. Either way the room is failed at the sender, so a language worker
-already waiting on it learns at once. An accepted request's images go to the ViT loop; when its
-rows are ready the shipper hands them to the sender. ``wait`` reports the outcome.
+queue or pixel budget raises ``Overloaded``. Either way the room is failed at the sender, so a
+language worker already waiting on it learns at once. An accepted room gets its deadline (the
+request's ``timeout_s``, else ``default_timeout_s``), announced to the sender (``expect``); its
+images go to the ViT loop (dropped unencoded if the deadline passes first); when its rows are
+ready the shipper hands them to the sender. ``cancel`` ends a room in any state; ``wait``
+reports the outcome. The room's state lives in one place, the ``RoomTable``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.transfer.layout import BufferLayout, dtype_name, layout_for
+
 from .config import EncoderConfig
-from .errors import InvalidInput, Overloaded, RoomInUse, UnknownRoom
+from .errors import DeadlineExpired, InvalidInput, Overloaded, RoomInUse, UnknownRoom
 from .pipeline import EncoderPipeline
 from .rooms import RoomRecord, RoomTable
 from .shipping import DiscardingSender, Sender, Shipper
 from .types import EncodedPrompt, EncodeRequest, RoomStatus
 
 logger = logging.getLogger(__name__)
+
+MAX_REASON_CHARS = 200  # of a cancel reason, which travels on to the receiver
+OnEncoded = Callable[[EncodedPrompt | None, BaseException | None], None]
 
 
 @dataclass(frozen=True)
@@ -38,23 +49,22 @@ class LoadReport:
     num_queued_requests: int  # accepted, not yet handed to the sender
     num_queued_images: int  # images waiting for the ViT
     num_waiting_for_blocks: int  # encoded, the sender short of blocks
+    queued_pixel_bytes: int  # image patches held by queued requests
     num_forwards: int
     num_images_encoded: int
     cache: dict  # CacheStats fields (empty when the cache is off)
     sender: dict  # the sender's stats (free blocks, bytes sent, ...)
     sender_endpoint: str
+    transfer_layout: BufferLayout  # the rows it sends (wire dtype)
+    max_prompt_tokens: int  # longest prompt it accepts after image expansion
 
 
-def create_sender(config: EncoderConfig, pipeline: EncoderPipeline) -> Sender:
-    """The transfer plane's sender for this checkpoint's row layout (or the discarding one)."""
+def create_sender(config: EncoderConfig, layout: BufferLayout) -> Sender:
+    """The transfer plane's sender for ``layout`` (or the discarding one)."""
     if config.sender == "none":
         return DiscardingSender()
-    from common.transfer.layout import layout_for
     from common.transfer.sender import EmbeddingSender
 
-    checkpoint = pipeline.checkpoint
-    # Rows travel in the deployment's wire dtype whatever the tower computes in.
-    layout = layout_for(config.transfer, checkpoint.hidden_size, checkpoint.num_deepstack)
     return EmbeddingSender(config.transfer, layout)
 
 
@@ -64,54 +74,57 @@ class EncoderService:
     ) -> None:
         self.config = config
         self.pipeline = EncoderPipeline(model_path, config)
+        checkpoint = self.pipeline.checkpoint
+        # Rows travel in the deployment's wire dtype whatever the tower computes in.
+        self.layout = layout_for(config.transfer, checkpoint.hidden_size, checkpoint.num_deepstack)
+        self.max_prompt_tokens = config.prompt_token_limit
         self.rooms = RoomTable(config.result_ttl_s)
-        self.sender = sender if sender is not None else create_sender(config, self.pipeline)
-        self.shipper = Shipper(
-            self.sender, self.rooms, config.submit_retry_s, config.submit_timeout_s
+        self.sender = sender if sender is not None else create_sender(config, self.layout)
+        tower = self.pipeline.tower
+        logger.info(
+            "encoder: device %s, compute dtype %s, wire dtype %s, max prompt %d tokens",
+            tower.device,
+            dtype_name(tower.dtype),
+            dtype_name(self.layout.dtype),
+            self.max_prompt_tokens,
         )
+        self.shipper = Shipper(self.sender, self.rooms, config.submit_retry_s)
 
     def accept(self, request: EncodeRequest) -> Accepted:
         """Validate and queue ``request``.
 
         Raises ``InvalidInput``, ``Overloaded`` or ``RoomInUse``.
         """
-        self._check_new(request.room)
-        if self.rooms.num_active() >= self.config.max_queued_requests:
-            self._reject(request.room, "encoder queue full")
-            raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
+        room = request.room
+        self._check_new(room)
         try:
+            deadline = self._deadline(request.timeout_s)
+            if self.rooms.num_active() >= self.config.max_queued_requests:
+                raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
             prompt = self.pipeline.prepare(request.messages, (), request.limits)
-        except InvalidInput as exc:
-            self._reject(request.room, str(exc))
+        except (InvalidInput, Overloaded) as exc:
+            self._reject(room, str(exc))
             raise
-        record = RoomRecord(request.room, request.request_id, prompt.num_tokens, len(prompt.images))
+        task = self.pipeline.make_task(prompt, self._on_encoded(room), deadline)
+        record = RoomRecord(
+            room, request.request_id, prompt.num_tokens, len(prompt.images), deadline, task=task
+        )
         try:
             added = self.rooms.add(record, self.config.max_queued_requests)
         except ValueError as exc:
+            self.pipeline.discard(prompt)
             raise RoomInUse(str(exc)) from None
         if not added:
-            self._reject(request.room, "encoder queue full")
+            self.pipeline.discard(prompt)
+            self._reject(room, "encoder queue full")
             raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
-        room = request.room
-
-        def on_done(encoded: EncodedPrompt | None, error: BaseException | None) -> None:
-            if error is not None or encoded is None:
-                reason = f"encoding failed: {error}"
-                self.sender.fail(room, reason)
-                self.rooms.update(room, RoomStatus.FAILED, reason)
-                return
-            self.rooms.update(
-                room,
-                RoomStatus.ENCODED,
-                num_cache_hits=encoded.num_cache_hits,
-                encode_s=encoded.encode_s,
-            )
-            self.shipper.ship(room, encoded)
-
+        self._announce(room, deadline)
         try:
-            self.pipeline.submit(prompt, on_done)
+            self.pipeline.batcher.submit(task)
         except RuntimeError as exc:  # shutting down
+            self.pipeline.discard(prompt)
             self.rooms.discard(room)
+            self._reject(room, str(exc))
             raise Overloaded(str(exc)) from None
         return Accepted(
             room=room,
@@ -120,6 +133,26 @@ class EncoderService:
             num_image_tokens=int(prompt.image_mask.sum()),
             image_hashes=[im.key.hex() for im in prompt.images],
         )
+
+    def refuse(self, room: int, reason: str) -> None:
+        """A request for ``room`` was refused before ``accept``: fail the room at the sender
+        (unless the id belongs to a room live here, which is not this request's to fail)."""
+        try:
+            self.rooms.get(room)
+        except UnknownRoom:
+            self._reject(room, reason)
+
+    def cancel(self, room: int, reason: str) -> bool:
+        """Drop ``room`` whatever its state: queued patches freed unencoded, encoded rows
+        dropped, the sender's room failed (its blocks freed, the receiver told). False when the
+        room is unknown here; it is then remembered, so its late ``Encode`` is refused."""
+        reason = f"cancelled: {(reason or 'by the caller')[:MAX_REASON_CHARS]}"
+        found, task = self.rooms.cancel(room, reason)
+        if task is not None:
+            self.pipeline.batcher.cancel(task)
+        self.sender.fail(room, reason)
+        logger.info("room %d %s%s", room, reason, "" if found else " (unknown here)")
+        return found
 
     def wait(self, room: int, until: RoomStatus, timeout_s: float) -> RoomRecord:
         """The room's record once it reached ``until`` (or failed), or at the timeout."""
@@ -132,11 +165,14 @@ class EncoderService:
             num_queued_requests=self.rooms.num_active(),
             num_queued_images=batcher.num_queued_images,
             num_waiting_for_blocks=self.shipper.num_waiting_for_blocks,
+            queued_pixel_bytes=self.pipeline.budget.used_bytes,
             num_forwards=batcher.num_forwards,
             num_images_encoded=batcher.num_images_encoded,
             cache=dataclasses.asdict(cache.stats()) if cache is not None else {},
             sender=self.sender.stats(),
             sender_endpoint=self.sender.endpoint,
+            transfer_layout=self.layout,
+            max_prompt_tokens=self.max_prompt_tokens,
         )
 
     def close(self) -> None:
@@ -144,12 +180,46 @@ class EncoderService:
         self.shipper.close()
         self.sender.close()
 
+    def _on_encoded(self, room: int) -> OnEncoded:
+        """The ViT loop's callback for ``room`` (runs on its thread: must not block)."""
+
+        def on_done(encoded: EncodedPrompt | None, error: BaseException | None) -> None:
+            if error is not None or encoded is None:
+                kind = "deadline" if isinstance(error, DeadlineExpired) else "encoding failed"
+                reason = f"{kind}: {error}"
+                if self.rooms.fail(room, reason):
+                    self.sender.fail(room, reason)
+                return
+            fields = {"num_cache_hits": encoded.num_cache_hits, "encode_s": encoded.encode_s}
+            if self.rooms.advance(room, RoomStatus.ENCODED, encoded=encoded, **fields):
+                self.shipper.wake()
+
+        return on_done
+
+    def _announce(self, room: int, deadline: float) -> None:
+        """Tell the sender the room's data comes (or the room fails) before ``deadline``, so a
+        receiver waiting for it meanwhile does not time out (when the sender supports it)."""
+        expect = getattr(self.sender, "expect", None)
+        if expect is None:
+            return
+        try:
+            expect(room, deadline)
+        except Exception:  # advisory: the transfer plane's own timeouts still hold
+            logger.exception("sender.expect failed for room %d", room)
+
+    def _deadline(self, timeout_s: float) -> float:
+        """The room's deadline (``time.monotonic``) from the request's time left."""
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            raise InvalidInput(f"timeout_s must be a finite number >= 0 (seconds), got {timeout_s}")
+        return time.monotonic() + (timeout_s or self.config.default_timeout_s)
+
     def _check_new(self, room: int) -> None:
         try:
-            self.rooms.get(room)
+            record = self.rooms.get(room)
         except UnknownRoom:
             return
-        raise RoomInUse(f"room {room} is already in use")
+        why = f": {record.error}" if record.error else ""
+        raise RoomInUse(f"room {room} is already in use ({record.status.name}{why})")
 
     def _reject(self, room: int, reason: str) -> None:
         try:

@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from protos.epd.v1 import encoder_pb2_grpc
+from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from . import convert
 from .errors import InvalidInput, Overloaded, RoomInUse, UnknownRoom
@@ -23,7 +23,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     def Encode(self, request, context):  # noqa: N802
         try:
-            accepted = self.service.accept(convert.request_from_proto(request))
+            domain = convert.request_from_proto(request)
+        except InvalidInput as exc:
+            self.service.refuse(request.room, str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            accepted = self.service.accept(domain)
         except InvalidInput as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:
@@ -42,3 +47,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     def GetLoad(self, request, context):  # noqa: N802
         return convert.load_to_proto(self.service.load())
+
+    def Cancel(self, request, context):  # noqa: N802
+        found = self.service.cancel(request.room, request.reason)
+        return encoder_pb2.CancelReply(found=found)

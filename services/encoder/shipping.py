@@ -1,30 +1,36 @@
-"""The encoder's side of the transfer plane: encoded prompts -> ``EmbeddingSender``.
+"""The encoder's side of the transfer plane: encoded rooms -> ``EmbeddingSender``.
 
-The ViT loop only enqueues (``Shipper.ship``). A shipper thread calls ``sender.submit``; when the
-sender is short of blocks (``False``) the room is retried every ``retry_s`` until ``timeout_s``,
-then failed. Submitted rooms are polled until the sender reports SUCCESS or FAILED (the sender
-owns the receiver-side timeouts). Nothing here waits on a receiver.
+The ViT loop only marks a room ENCODED and wakes the shipper. The shipper thread calls
+``sender.submit``; when the sender is short of blocks (``False``) the room is retried every
+``retry_s`` until the request's deadline, then failed. Submitted rooms are polled until the
+sender reports SUCCESS or FAILED (the sender owns the receiver-side timeouts). Nothing here waits
+on a receiver.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import queue
 import threading
 import time
 from typing import Protocol
 
-from common.transfer.types import MAX_EXTRA_BYTES, AuxInfo, RoomState
+from common.transfer.types import AuxInfo, RoomState
 
+from .aux_extra import encode_extra
 from .rooms import RoomTable
 from .types import EncodedPrompt, RoomStatus
 
 logger = logging.getLogger(__name__)
 
+POLL_S = 0.02  # how often the rooms the sender holds are looked at (its own tick)
+
 
 class Sender(Protocol):
-    """What the shipper needs of ``common.transfer.EmbeddingSender``."""
+    """What the encoder needs of ``common.transfer.EmbeddingSender``.
+
+    Optionally also ``expect(room, deadline)`` ("the encoder accepted this room; its data comes,
+    or the room fails, before ``deadline``"), called on accept when the sender has it.
+    """
 
     endpoint: str
 
@@ -43,6 +49,9 @@ class DiscardingSender:
     def submit(self, room, fill_ids, positions, image_rows, aux, image_mask=None) -> bool:
         return True
 
+    def expect(self, room: int, deadline: float) -> None:
+        pass
+
     def fail(self, room: int, reason: str) -> None:
         pass
 
@@ -56,82 +65,78 @@ class DiscardingSender:
         pass
 
 
-def aux_extra(encoded: EncodedPrompt) -> bytes:
-    """Small JSON for the language side: image hashes, tokens per image, cache hits, timing.
-
-    Hashes are shortened, then dropped, when the record would exceed ``MAX_EXTRA_BYTES``.
-    """
-    info = {
-        "hashes": encoded.image_hashes,
-        "tokens": encoded.image_token_counts,
-        "hits": encoded.num_cache_hits,
-        "encode_s": round(encoded.encode_s, 6),
-    }
-    for hash_len in (32, 16, 0):
-        info["hashes"] = [h[:hash_len] for h in encoded.image_hashes] if hash_len else []
-        data = json.dumps(info, separators=(",", ":")).encode()
-        if len(data) <= MAX_EXTRA_BYTES:
-            return data
-    return b"{}"
-
-
 def aux_info(encoded: EncodedPrompt) -> AuxInfo:
     return AuxInfo(
         total_tokens=encoded.num_tokens,
         num_image_rows=int(encoded.image_rows.shape[0]),
         mrope_delta=encoded.mrope_delta,
         num_items=encoded.num_items,
-        extra=aux_extra(encoded),
+        extra=encode_extra(
+            encoded.image_hashes,
+            encoded.image_token_counts,
+            hits=encoded.num_cache_hits,
+            encode_s=encoded.encode_s,
+        ),
     )
 
 
 class Shipper:
-    def __init__(self, sender: Sender, rooms: RoomTable, retry_s: float, timeout_s: float) -> None:
+    """The thread between encoded rooms and the sender.
+
+    It sleeps until woken (a room became ENCODED) or until its next retry: every ``retry_s``
+    while a room waits for blocks, every ``poll_s`` while the sender holds rooms (the sender has
+    no completion callback), and not at all when neither is the case. It keeps no state of its
+    own: rooms are read from and moved in the ``RoomTable``. A room waits for blocks until its
+    deadline; a submitted room past its deadline is failed at the sender too.
+    """
+
+    def __init__(
+        self, sender: Sender, rooms: RoomTable, retry_s: float, poll_s: float = POLL_S
+    ) -> None:
         self.sender = sender
         self._rooms = rooms
         self._retry_s = retry_s
-        self._timeout_s = timeout_s
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: dict[int, tuple[EncodedPrompt, float]] = {}  # room -> (data, deadline)
-        self._submitted: set[int] = set()
-        self._stop = threading.Event()
+        self._poll_s = poll_s
+        self._wake = threading.Event()
+        self._stop = False
         self.num_submit_retries = 0
+        self.num_passes = 0  # times the thread woke up and looked (it sleeps when idle)
         self._thread = threading.Thread(target=self._run, name="epd-shipper", daemon=True)
         self._thread.start()
 
-    def ship(self, room: int, encoded: EncodedPrompt) -> None:
-        """Hand ``encoded`` over; never blocks."""
-        self._inbox.put((room, encoded))
+    def wake(self) -> None:
+        """A room became ENCODED (or something else changed): look now. Never blocks."""
+        self._wake.set()
 
     @property
     def num_waiting_for_blocks(self) -> int:
-        return len(self._waiting)
+        return self._rooms.num_in(RoomStatus.ENCODED)
 
     def close(self) -> None:
-        self._stop.set()
-        self._inbox.put(None)
+        self._stop = True
+        self._wake.set()
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            busy = bool(self._waiting or self._submitted)
-            try:
-                item = self._inbox.get(timeout=self._retry_s if busy else 0.1)
-            except queue.Empty:
-                item = None
-            while item is not None:
-                room, encoded = item
-                self._waiting[room] = (encoded, time.monotonic() + self._timeout_s)
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    item = None
-            self._try_submit()
-            self._poll_submitted()
+        timeout: float | None = None
+        while True:
+            self._wake.wait(timeout)
+            if self._stop:
+                return
+            self._wake.clear()
+            self.num_passes += 1
+            now = time.monotonic()
+            blocked = self._submit(now)
+            holding = self._poll(now)
+            timeout = self._retry_s if blocked else self._poll_s if holding else None
 
-    def _try_submit(self) -> None:
-        now = time.monotonic()
-        for room, (encoded, deadline) in list(self._waiting.items()):
+    def _submit(self, now: float) -> bool:
+        """Hand ENCODED rooms to the sender; True when some still wait for blocks."""
+        blocked = False
+        for room, encoded, deadline in self._rooms.encoded():
+            if now > deadline:
+                self._fail(room, "deadline: no transfer blocks were free before it passed")
+                continue
             try:
                 ok = self.sender.submit(
                     room,
@@ -143,31 +148,35 @@ class Shipper:
                 )
             except Exception as exc:  # a bad room must not stop the others
                 logger.exception("submit of room %d failed", room)
-                del self._waiting[room]
-                self._rooms.update(room, RoomStatus.FAILED, f"submit failed: {exc}")
+                self._fail(room, f"submit failed: {exc}")
                 continue
-            if ok:
-                del self._waiting[room]
-                self._submitted.add(room)
-                self._rooms.update(room, RoomStatus.SUBMITTED)
-            elif now > deadline:
-                del self._waiting[room]
-                reason = f"no transfer blocks free for {self._timeout_s:g}s"
-                self.sender.fail(room, reason)
-                self._rooms.update(room, RoomStatus.FAILED, reason)
-            else:
+            if not ok:
+                blocked = True
                 self.num_submit_retries += 1
+            else:
+                # NOTE: a room failed meanwhile stays FAILED: whoever failed it also fails it at
+                # the sender, before or after this submit (the sender drops or frees the data).
+                self._rooms.advance(room, RoomStatus.SUBMITTED)
+        return blocked
 
-    def _poll_submitted(self) -> None:
-        for room in list(self._submitted):
+    def _poll(self, now: float) -> bool:
+        """Record how submitted rooms ended; True when the sender still holds some."""
+        holding = False
+        for room, deadline in self._rooms.submitted():
             try:
                 state = self.sender.poll(room)
             except KeyError:  # forgotten by the sender: it cannot be delivered any more
                 state = RoomState.FAILED
             if state == RoomState.SUCCESS:
-                self._rooms.update(room, RoomStatus.SHIPPED)
+                self._rooms.advance(room, RoomStatus.SHIPPED)
             elif state == RoomState.FAILED:
-                self._rooms.update(room, RoomStatus.FAILED, "transfer failed")
+                self._rooms.fail(room, "transfer failed")
+            elif now > deadline:
+                self._fail(room, "deadline: the transfer had not ended when it passed")
             else:
-                continue
-            self._submitted.discard(room)
+                holding = True
+        return holding
+
+    def _fail(self, room: int, reason: str) -> None:
+        if self._rooms.fail(room, reason):
+            self.sender.fail(room, reason)

@@ -52,17 +52,21 @@ class EncodeRequest:
     request_id: str
     messages: tuple[ChatMessage, ...]
     limits: RequestLimits = RequestLimits()
+    timeout_s: float = 0.0  # seconds the request has left; 0 = the encoder's default
 
 
-@dataclass
+@dataclass(eq=False)
 class PreparedImage:
-    """One decoded, resized and normalized image, ready for the ViT."""
+    """One decoded and resized image of a request: either its patches, waiting for the ViT, or
+    its rows, found in the cache at admission. Requests never share these objects (the same
+    image twice in one request is one object)."""
 
     key: bytes  # 16-byte cache key: pixels + preprocessing parameters + model revision
-    pixel_values: torch.Tensor | None  # [t*h*w, C*tp*p*p] float32 patches; None until computed
     grid_thw: tuple[int, int, int]  # in patches
     num_tokens: int  # t*h*w / merge**2: rows (image tokens) it yields
-    resized: Image.Image | None = None  # the resized RGB image the patches come from
+    pixel_values: torch.Tensor | None = None  # [t*h*w, C*tp*p*p] fp32 patches until consumed
+    rows: torch.Tensor | None = None  # [num_tokens, row_width] wire dtype: a cache hit
+    held_bytes: int = 0  # share of the pixel budget held for pixel_values (0 once given back)
 
     @property
     def num_patches(self) -> int:
@@ -91,7 +95,7 @@ class EncodedPrompt:
 
     fill_ids: np.ndarray  # int32 [L]
     positions: np.ndarray  # int32 [3, L]
-    image_rows: torch.Tensor  # [M, hidden*(1+num_deepstack)], image tokens in token order (CPU)
+    image_rows: torch.Tensor  # [M, hidden*(1+num_deepstack)] in the wire dtype, token order (CPU)
     image_mask: np.ndarray  # bool [L], True at the M image tokens
     mrope_delta: int
     num_items: int  # images

@@ -13,18 +13,46 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.transfer.layout import parse_dtype
+
 from .checkpoint import VISION_CLASS, Checkpoint
 
 VISUAL_PREFIXES = ("model.visual.", "visual.")
 
 
-def pick_device(name: str) -> tuple[torch.device, torch.dtype]:
-    """auto: CUDA bf16 when present, else CPU fp32 (bf16 is several times slower on CPU)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda"), torch.bfloat16
-    return torch.device("cpu"), torch.float32
+def pick_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """The tower's device and compute dtype, chosen independently.
+
+    ``device``: auto (CUDA when present, else CPU) | cpu | cuda | cuda:N. ``dtype``: auto
+    (bfloat16 on CUDA, float32 on CPU, where bf16 runs several times slower) or a dtype name;
+    bf16 and fp16 are allowed on CPU. A CUDA device that is not there is a ``ValueError``.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    chosen = torch.device(device)
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = chosen.index or 0
+        if index >= count:
+            raise ValueError(f"device {device} requested but {count} CUDA devices are visible")
+        chosen = torch.device("cuda", index)
+    if dtype == "auto":
+        return chosen, torch.bfloat16 if chosen.type == "cuda" else torch.float32
+    return chosen, parse_dtype(dtype)
+
+
+def to_host(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` as a CPU tensor of its own (no view of a batch) in ``dtype``.
+
+    The cast runs where the rows are (on the GPU before the copy to the host, so a narrower
+    dtype also halves the copied bytes); exactly one new tensor is made.
+    """
+    out = rows.to(dtype=dtype)
+    if out.device.type != "cpu":
+        return out.to("cpu")
+    if out.data_ptr() == rows.data_ptr():
+        out = out.clone()
+    return out.contiguous()
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -60,10 +88,10 @@ class VisionTower:
     the main embedding alone otherwise.
     """
 
-    def __init__(self, checkpoint: Checkpoint, device: str = "auto") -> None:
+    def __init__(self, checkpoint: Checkpoint, device: str = "auto", dtype: str = "auto") -> None:
         from transformers.initialization import no_init_weights
 
-        self.device, self.dtype = pick_device(device)
+        self.device, self.dtype = pick_device(device, dtype)
         vision_cls = checkpoint.model_class(VISION_CLASS)
         with no_init_weights():
             module = vision_cls._from_config(checkpoint.config.vision_config, dtype=self.dtype)

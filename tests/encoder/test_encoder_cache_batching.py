@@ -44,16 +44,19 @@ def test_pipeline_cache_hit_skips_the_vit(pipeline):
 
 
 def test_cache_eviction_in_pipeline(qwen25_dir):
-    # a 700x700 image is 625 rows x 128 floats = 320 KB: a 1 MiB cache holds three
+    # the cache keeps rows in the wire dtype (bf16): a 700x700 image is 625 rows x 128 x 2 bytes
+    # = 160 KB, so a 1 MiB cache holds six
     pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", cache_mb=1))
     try:
-        big = [noise_image(700, 700, s) for s in range(4)]
-        hits = [pipe.encode(user_turn(1), [img]).num_cache_hits for img in big + big[:1]]
-        assert hits == [0, 0, 0, 0, 0]  # big[0] was evicted by big[3] before it came back
+        big = [noise_image(700, 700, s) for s in range(7)]
+        results = [pipe.encode(user_turn(1), [img]) for img in big + big[:1]]
+        assert [r.num_cache_hits for r in results] == [0] * 8  # big[0] evicted by big[6]
+        assert all(r.image_rows.dtype == torch.bfloat16 for r in results)
         stats = pipe.cache.stats()
-        assert (stats.num_evictions, stats.num_entries, stats.num_misses) == (2, 3, 5)
-        assert stats.num_bytes == 3 * 320_000 <= stats.capacity_bytes
+        assert (stats.num_evictions, stats.num_entries, stats.num_misses) == (2, 6, 8)
+        assert stats.num_bytes == 6 * 160_000 <= stats.capacity_bytes
         assert pipe.encode(user_turn(1), [big[1]]).num_cache_hits == 0
+        assert pipe.encode(user_turn(1), [big[6]]).num_cache_hits == 1
     finally:
         pipe.close()
 

@@ -10,6 +10,7 @@ from encoder_helpers import noise_image
 from common.models.hf_reference import HFReference
 from common.models.tiny import ARCHS
 from common.multimodal import image_token_mask
+from common.transfer.config import TransferConfig
 from services.encoder.config import EncoderConfig
 from services.encoder.pipeline import EncoderPipeline
 
@@ -32,7 +33,10 @@ MESSAGES = [
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_pair(request, model_dirs):
     path = model_dirs[request.param]
-    pipe = EncoderPipeline(path, EncoderConfig(device="cpu"))
+    # fp32 compute and fp32 wire rows: the encoder's output is transformers' bit for bit
+    pipe = EncoderPipeline(
+        path, EncoderConfig(device="cpu", dtype="float32", transfer=TransferConfig(dtype="float32"))
+    )
     yield pipe, HFReference(path)
     pipe.close()
 

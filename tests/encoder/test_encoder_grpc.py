@@ -3,58 +3,32 @@
 from __future__ import annotations
 
 import base64
-import os
-import subprocess
-import sys
-import time
+import json
 
 import grpc
 import pytest
-from encoder_helpers import encode_bytes, noise_image
+from encoder_helpers import encode_bytes, encoder_process, noise_image
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
-STARTUP_TIMEOUT_S = 90
+
+@pytest.fixture(scope="module")
+def server(qwen25_dir):
+    """(address, output lines) of an encoder process."""
+    args = (
+        "--sender", "transfer", "--transfer-num-blocks", "32", "--transfer-transport", "shm",
+        "--transfer-bootstrap-timeout-s", "600",  # rooms nobody pulls stay for the whole module
+    )  # fmt: skip
+    with encoder_process(qwen25_dir, *args, env={"EPD_ENCODER_MAX_IMAGES": "2"}) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
-def server_address(qwen25_dir):
-    env = dict(os.environ, GLOG_minloglevel="2", EPD_ENCODER_MAX_IMAGES="2")
-    cmd = [
-        sys.executable, "-m", "services.encoder.server",
-        "--model-path", str(qwen25_dir), "--device", "cpu", "--port", "0",
-        "--sender", "transfer", "--transfer-num-blocks", "16", "--transfer-transport", "shm",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
-    )
-    address, lines = None, []
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline and address is None:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        if line.startswith("encoder listening on "):
-            address = line.split()[3]
-    if address is None:
-        proc.kill()
-        pytest.fail("encoder did not start:\n" + "".join(lines[-30:]))
-    yield address
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-@pytest.fixture(scope="module")
-def channel(server_address):
+def channel(server):
     with grpc.insecure_channel(
-        server_address, options=[("grpc.max_send_message_length", 64 << 20)]
+        server[0], options=[("grpc.max_send_message_length", 64 << 20)]
     ) as ch:
         yield ch
 
@@ -86,7 +60,12 @@ def test_encode_wait_and_load(channel):
     assert outcome.num_tokens == reply.num_tokens
     load = stub.GetLoad(encoder_pb2.GetLoadRequest())
     assert load.num_images_encoded == 1 and load.cache.num_misses == 1
-    assert load.free_blocks < 16 and load.sender_endpoint == reply.sender_endpoint
+    assert load.free_blocks < 32 and load.sender_endpoint == reply.sender_endpoint
+    # what heartbeats advertise: the rows it sends, the longest prompt (the buffer's 32 blocks)
+    assert load.transfer_layout == common_pb2.TransferLayout(
+        hidden_size=128, num_deepstack=0, dtype="bfloat16", block_size=128
+    )
+    assert load.max_prompt_tokens == 32 * 128
 
     # a large image needs a raised receive limit (5+ MB)
     big = encode_bytes(noise_image(1400, 1400, 2))
@@ -94,24 +73,45 @@ def test_encode_wait_and_load(channel):
     assert stub.Encode(_request(12, common_pb2.ImageSource(data=big))).num_images == 1
 
 
+def _encode_failed(stub) -> int:
+    stats = json.loads(stub.GetLoad(encoder_pb2.GetLoadRequest()).sender_stats_json)
+    return stats["failed_by_reason"].get("encode_failed", 0)
+
+
 def test_errors_map_to_status_codes(channel):
     stub = encoder_pb2_grpc.EncoderStub(channel)
     png = encode_bytes(noise_image(56, 56))
+    no_time = _request(27, common_pb2.ImageSource(data=png))
+    no_time.timeout_s = float("nan")
+    failed_before = _encode_failed(stub)
     cases = [
         (_request(21, common_pb2.ImageSource(data=b"nope")), "INVALID_ARGUMENT", "not an image"),
         (_request(22, common_pb2.ImageSource(base64="@@@")), "INVALID_ARGUMENT", "base64"),
         (_request(23, *[common_pb2.ImageSource(data=png)] * 3), "INVALID_ARGUMENT", "limit is 2"),
         (_request(24, common_pb2.ImageSource(url="http://10.0.0.1/")), "INVALID_ARGUMENT", "URLs"),
+        (_request(26, common_pb2.ImageSource()), "INVALID_ARGUMENT", "image part without a source"),
+        (no_time, "INVALID_ARGUMENT", "timeout_s must be a finite number >= 0"),
         (_request(11, common_pb2.ImageSource(data=png)), "ALREADY_EXISTS", "room 11"),
     ]  # fmt: skip
     for request, code, needle in cases:
         with pytest.raises(grpc.RpcError) as info:
             stub.Encode(request)
         assert info.value.code().name == code and needle in info.value.details()
+    # each refused room was failed at the sender (a waiting receiver learns at once), except
+    # the one whose id is live here: that room is not the refused request's to fail
+    assert _encode_failed(stub) - failed_before == len(cases) - 1
+    live = stub.WaitEncoded(encoder_pb2.WaitEncodedRequest(room=11))
+    assert live.status == encoder_pb2.ENCODE_STATUS_SUBMITTED
     with pytest.raises(grpc.RpcError) as info:
         stub.WaitEncoded(encoder_pb2.WaitEncodedRequest(room=999))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert stub.Encode(_request(25, common_pb2.ImageSource(data=png))).num_images == 1
+
+
+def test_start_up_line_names_device_and_dtypes(server):
+    lines = [line for line in server[1] if "compute dtype" in line]
+    assert len(lines) == 1
+    assert "device cpu, compute dtype float32, wire dtype bfloat16, max prompt 4096" in lines[0]
 
 
 def test_health_and_reflection(channel):

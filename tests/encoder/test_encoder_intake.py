@@ -104,7 +104,7 @@ def test_good_sources(pipeline):
 def test_limits(pipeline):
     with pytest.raises(InvalidInput, match="4 images; the limit is 3"):
         pipeline.prepare(user_turn(4), [noise_image(56, 56, i) for i in range(4)])
-    with pytest.raises(InvalidInput, match="after image expansion; the limit is 400"):
+    with pytest.raises(InvalidInput, match=r"441 image in 1 image\), more than the limit of 400"):
         pipeline.prepare(user_turn(1), [noise_image(600, 600)])  # 441 image tokens
     with pytest.raises(InvalidInput, match="reserved token"):
         pipeline.prepare(user_turn(0, "look <|image_pad|> here"))
