@@ -27,9 +27,11 @@ class ReferenceInputs:
 class HFReference:
     """Loads a checkpoint with transformers and runs it the monolithic way.
 
-    ``dtype`` is the whole model's compute dtype. With ``wire_dtype``, the vision tower's output
-    (embeddings and deepstack rows) is rounded to that dtype and back, exactly what the
-    disaggregated path does to rows it ships in that wire dtype; everything else is unchanged.
+    ``dtype`` is the whole model's compute dtype. ``vision_dtype`` runs the vision tower in
+    another one (a copy of it loaded in that dtype, as an encoder loads it). With ``wire_dtype``,
+    the vision tower's output (embeddings and deepstack rows) is rounded to that dtype, exactly
+    what the disaggregated path does to rows it ships in that wire dtype, then cast to ``dtype``
+    for the text model; everything else is unchanged.
     """
 
     def __init__(
@@ -38,6 +40,7 @@ class HFReference:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         wire_dtype: torch.dtype | None = None,
+        vision_dtype: torch.dtype | None = None,
     ) -> None:
         from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
@@ -50,8 +53,17 @@ class HFReference:
         )
         self.device = device
         self.config = self.model.config
-        if wire_dtype is not None:
-            self.model.model.visual.register_forward_hook(_rounding_hook(wire_dtype))
+        tower = None
+        if vision_dtype is not None and vision_dtype != dtype:
+            tower = (
+                AutoModelForImageTextToText.from_pretrained(str(model_path), dtype=vision_dtype)
+                .model.visual.to(device)
+                .eval()
+            )
+        if tower is not None or wire_dtype is not None:
+            self.model.model.visual.register_forward_hook(
+                _vision_hook(tower, wire_dtype, dtype), with_kwargs=True
+            )
 
     def build_inputs(self, prompt: str, images: list[Image.Image]) -> ReferenceInputs:
         """Images first, then the text, in one user turn (the ``epd generate`` layout)."""
@@ -79,6 +91,24 @@ class HFReference:
         return ReferenceInputs(ids, mm, pixel_values, grid_thw)
 
     @torch.no_grad()
+    def next_token_logprobs(self, inputs: ReferenceInputs) -> torch.Tensor:
+        """Log-probabilities (float32, [vocab]) of the token after the prompt."""
+        ids = inputs.input_ids.to(self.device)
+        kwargs = {}
+        if inputs.pixel_values is not None:
+            kwargs = {
+                "pixel_values": inputs.pixel_values.to(self.device),
+                "image_grid_thw": inputs.image_grid_thw.to(self.device),
+            }
+        out = self.model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=inputs.mm_token_type_ids.to(self.device),
+            **kwargs,
+        )
+        return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
+
+    @torch.no_grad()
     def generate(self, inputs: ReferenceInputs, max_new_tokens: int = 16) -> list[int]:
         """Greedy continuation token ids (EOS included when produced)."""
         kwargs = {}
@@ -99,17 +129,21 @@ class HFReference:
         return out[0, ids.shape[1] :].tolist()
 
 
-def _rounding_hook(wire_dtype: torch.dtype):
-    """A forward hook that rounds the vision tower's rows to ``wire_dtype`` and back."""
+def _vision_hook(tower, wire_dtype: torch.dtype | None, dtype: torch.dtype):
+    """A forward hook on the model's vision tower: its rows come from ``tower`` (another dtype)
+    when given, and go through ``wire_dtype`` when given, then back to ``dtype``."""
 
-    def round_trip(rows: torch.Tensor) -> torch.Tensor:
-        return rows.to(wire_dtype).to(rows.dtype)
+    def ship(rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(wire_dtype or rows.dtype).to(dtype)
 
-    def hook(module, args, output):
-        output.pooler_output = round_trip(output.pooler_output)
+    def hook(module, args, kwargs, output):
+        if tower is not None:
+            pixel_values = args[0].to(tower.dtype)
+            output = tower(pixel_values, *args[1:], **kwargs)
+        output.pooler_output = ship(output.pooler_output)
         deepstack = getattr(output, "deepstack_features", None)
         if deepstack:
-            output.deepstack_features = [round_trip(rows) for rows in deepstack]
+            output.deepstack_features = [ship(rows) for rows in deepstack]
         return output
 
     return hook

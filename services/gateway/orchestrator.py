@@ -307,7 +307,10 @@ class Orchestrator:
                         self.metrics.itl.observe((now - last_token_at) / len(chunk.token_ids))
                     last_token_at = now
                 out = gateway_pb2.GenerateChunk(
-                    request_id=admitted.request_id, text=chunk.text, token_ids=chunk.token_ids
+                    request_id=admitted.request_id,
+                    text=chunk.text,
+                    token_ids=chunk.token_ids,
+                    logprobs=chunk.logprobs,
                 )
                 if chunk.finish_reason == common_pb2.FINISH_REASON_ERROR:
                     failure = f"language worker failed: {chunk.error or 'error'}"

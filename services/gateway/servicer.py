@@ -95,6 +95,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             reply.request_id = chunk.request_id
             reply.text += chunk.text
             reply.token_ids.extend(chunk.token_ids)
+            reply.logprobs.extend(chunk.logprobs)
             if chunk.finish_reason:
                 for name in ("finish_reason", "encoder", "language"):
                     setattr(reply, name, getattr(chunk, name))

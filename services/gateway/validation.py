@@ -35,6 +35,7 @@ MAX_TEMPERATURE = 100.0
 # them so the caller learns that 0 is the way to ask for greedy decoding.
 MIN_POSITIVE_TEMPERATURE = 1e-2
 DATA_URL_PREFIX_CHARS = 256  # room for "data:image/png;base64," and the like
+MAX_TOP_LOGPROBS = 20  # most likely tokens per step a request may ask for (as other APIs)
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,10 @@ def _validate_sampling(request: gateway_pb2.GenerateRequest, limits: RequestLimi
     if not -1 <= s.top_k <= limits.max_top_k:
         raise invalid(
             f"sampling.top_k must be in [-1, {limits.max_top_k}] (0 or -1 = off), got {s.top_k}"
+        )
+    if s.top_logprobs > MAX_TOP_LOGPROBS:
+        raise invalid(
+            f"sampling.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}"
         )
     if len(s.stop_token_ids) > limits.max_stop_token_ids:
         raise invalid(

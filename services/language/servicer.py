@@ -46,6 +46,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids),
         stop=tuple(p.stop),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
     )
 
 
@@ -61,6 +63,12 @@ def messages_from_proto(messages) -> list[dict]:
 
 def chunk_from_output(out: RequestOutput) -> language_pb2.LanguageGenerateChunk:
     chunk = language_pb2.LanguageGenerateChunk(text=out.text, token_ids=out.token_ids)
+    for lp in out.logprobs:
+        chunk.logprobs.add(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
     if out.finished:
         chunk.finish_reason = int(out.finish_reason)
         chunk.usage.prompt_tokens = out.num_prompt_tokens

@@ -147,6 +147,10 @@ BAD = {
     "negative top_p": (make_request(top_p=-0.1), ["sampling.top_p"]),
     "top_k below -1": (make_request(top_k=-2), ["sampling.top_k must be in [-1, 1000]", "-2"]),
     "top_k above the limit": (make_request(top_k=1001), ["sampling.top_k", "1001"]),
+    "top_logprobs above 20": (
+        make_request(top_logprobs=21),
+        ["sampling.top_logprobs must be in [0, 20]", "21"],
+    ),
     "too many stop ids": (
         make_request(stop_token_ids=[1, 2, 3, 4]),
         ["sampling.stop_token_ids has 4 entries", "limit of 3"],

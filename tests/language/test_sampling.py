@@ -12,6 +12,7 @@ from services.language.engine.sampling import (
     SamplerState,
     SamplingParams,
     sample,
+    token_logprob,
 )
 
 
@@ -75,3 +76,19 @@ def test_a_raising_sampler_fails_its_row_alone():
     out = sample(logits, [bad, good])
     assert isinstance(out[0], RuntimeError) and "sampler broke" in str(out[0])
     assert isinstance(out[1], int)
+
+
+def test_token_logprob_is_the_model_distribution_with_its_top_tokens():
+    row = torch.tensor([2.0, 0.5, 3.0, -1.0])
+    got = token_logprob(row, 1, num_top=2)
+    expected = torch.log_softmax(row, dim=-1)
+    assert got.token_id == 1 and math.isclose(got.logprob, float(expected[1]), rel_tol=1e-6)
+    assert [t for t, _ in got.top] == [2, 0]  # most likely first
+    assert all(math.isclose(v, float(expected[t]), rel_tol=1e-6) for t, v in got.top)
+    assert token_logprob(row, 0, num_top=0).top == []
+
+
+def test_top_logprobs_is_bounded():
+    with pytest.raises(ValueError, match=r"top_logprobs must be in \[0, 20\], got 21"):
+        SamplingParams(top_logprobs=21)
+    assert SamplingParams(top_logprobs=3).wants_logprobs

@@ -29,7 +29,7 @@ from services.language.engine.request import (
     RequestOutput,
     RequestStatus,
 )
-from services.language.engine.sampling import SamplingParams, sample
+from services.language.engine.sampling import SamplingParams, sample, token_logprob
 from services.language.engine.scheduler import Scheduler
 from services.language.image_identity import image_keys
 from services.language.inputs import PromptInputs
@@ -220,7 +220,7 @@ class LanguageEngine:
         tokens = sample(result.logits, [c.req.sampler for c in sampled]) if sampled else []
         for chunk in result.chunks:
             chunk.req.num_computed = chunk.end
-        for chunk, token in zip(sampled, tokens, strict=True):
+        for row, (chunk, token) in enumerate(zip(sampled, tokens, strict=True)):
             req = chunk.req
             if isinstance(token, Exception):
                 outputs.append(self._fail(req, ErrorKind.FAILED, f"sampling failed: {token}"))
@@ -229,7 +229,11 @@ class LanguageEngine:
                 if req.status == RequestStatus.PREFILL:
                     req.status = RequestStatus.DECODE
                     self.cache_manager.cache_prefix(req)
-                outputs.append(self._append_token(req, token))
+                out = self._append_token(req, token)
+                if req.params.wants_logprobs:
+                    logits = result.logits[row]
+                    out.logprobs = [token_logprob(logits, token, req.params.top_logprobs)]
+                outputs.append(out)
             except Exception as exc:  # e.g. the tokenizer rejects the token: this request only
                 logger.exception("request %s failed after sampling", req.request_id)
                 outputs.append(self._fail(req, ErrorKind.FAILED, f"output failed: {exc}"))

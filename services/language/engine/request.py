@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from services.language.engine.detokenizer import IncrementalDetokenizer
-from services.language.engine.sampling import SamplerState, SamplingParams
+from services.language.engine.sampling import SamplerState, SamplingParams, TokenLogprob
 from services.language.inputs import PromptInputs
 from services.language.kvcache.key import make_key
 
@@ -81,6 +81,7 @@ class RequestOutput:
     provenance: dict[str, float] = field(default_factory=dict)  # see PromptInputs.provenance
     error: str = ""
     error_kind: ErrorKind = ErrorKind.NONE
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token_ids, when asked
 
     @property
     def finished(self) -> bool:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 MAX_TEMPERATURE = 100.0
 MIN_TEMPERATURE = 1e-2  # sampling temperatures below this are clamped up to it
+MAX_TOP_LOGPROBS = 20  # most likely tokens reported per step, at most (as other APIs)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, cut from the output
     ignore_eos: bool = False
+    logprobs: bool = False  # report each token's log-probability (see ``token_logprob``)
+    top_logprobs: int = 0  # and the step's most likely tokens; > 0 implies logprobs
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -52,6 +56,14 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t < 0]
         if bad:
             raise ValueError(f"stop_token_ids must be >= 0, got {bad[0]}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
 
 @dataclass
@@ -112,3 +124,22 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int | Excep
             except Exception as exc:  # isolated to this request
                 out.append(exc)
     return out
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability and its step's ``top`` most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+def token_logprob(row: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+    """Log-probabilities of the model's distribution at one step (log-softmax of the logits in
+    float32, before temperature, top-k and top-p: what was computed, not how it was drawn)."""
+    logprobs = torch.log_softmax(row.float().cpu(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if num_top:
+        values, ids = torch.topk(logprobs, min(num_top, logprobs.shape[0]))
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logprobs[token]), top)
