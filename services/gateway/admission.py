@@ -21,6 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
+def queue_full_message(max_queued: int) -> str:
+    """What a caller is told when ``max_queued`` requests are already in flight."""
+    return f"gateway queue is full ({max_queued} requests in flight)"
+
+
 class QueueFull(Exception):
     pass
 
@@ -68,7 +73,7 @@ class Admission:
             if request_id in self._in_flight:
                 raise DuplicateRequest(f"request id {request_id!r} is already in flight")
             if len(self._in_flight) >= self._max:
-                raise QueueFull(f"gateway queue is full ({self._max} requests in flight)")
+                raise QueueFull(queue_full_message(self._max))
             admitted = self._in_flight[request_id] = Admitted(request_id, owner)
         return admitted
 

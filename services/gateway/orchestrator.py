@@ -111,9 +111,15 @@ class Dispatch:
 
 def _status_from_rpc(exc: grpc.RpcError, who: str) -> GatewayError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
     if code == grpc.StatusCode.CANCELLED:  # not by the client (callers check): channel closed
         code = grpc.StatusCode.UNAVAILABLE
-    return GatewayError(code, f"{who}: {exc.details() if hasattr(exc, 'details') else exc}")
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        # the gateway's internal credentials were refused: not the client's key at fault
+        return GatewayError(
+            grpc.StatusCode.INTERNAL, f"internal credentials refused by {who}: {details}"
+        )
+    return GatewayError(code, f"{who}: {details}")
 
 
 def max_seq_len(worker: Worker) -> int:

@@ -39,7 +39,7 @@ from common.stream_capacity import StreamCapacity
 from common.tls import ServerTLS
 from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_pb2_grpc
 from services.gateway import workers as calls
-from services.gateway.admission import Admission
+from services.gateway.admission import Admission, queue_full_message
 from services.gateway.config import ENV_PREFIX, GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.orchestrator import Orchestrator
@@ -164,7 +164,7 @@ def serve(config: GatewayConfig) -> GatewayServer:
         LONG_METHODS,
         who="gateway",
         on_reject=lambda _method: metrics.requests.labels("RESOURCE_EXHAUSTED").inc(),
-        message=f"gateway queue is full ({config.max_queued} requests in flight)",
+        message=queue_full_message(config.max_queued),
     )
     security = public_security(config, metrics)
     server = create_server("epd-gateway", config.max_message_mb, capacity, security)

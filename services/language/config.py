@@ -52,7 +52,11 @@ class LanguageConfig:
         128, help="max_new_tokens when a request sends 0 (shortened to fit max_seq_len)"
     )
     grpc_max_message_mb: int = field(64, help="gRPC max message size, MiB")
-    grpc_workers: int = field(32, help="gRPC server threads (one per streaming call)")
+    grpc_workers: int = field(
+        32,
+        help="concurrent Generate streams; more get RESOURCE_EXHAUSTED (8 more threads serve "
+        "health, GetLoad and Abort)",
+    )
     transfer: TransferConfig = field(TransferConfig(), help="the transfer plane (EPD_TRANSFER_*)")
     worker: WorkerConfig = field(WorkerConfig(), help="registration and metrics")
 

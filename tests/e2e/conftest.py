@@ -65,10 +65,14 @@ class Stack(LocalStack):
                 continue
             load = self.encoder_load(i)
             stats = json.loads(load.sender_stats_json or "{}")
-            if load.num_queued_requests or stats.get("num_used_blocks", 0):
+            if (
+                load.num_queued_requests
+                or stats.get("num_used_blocks", 0)
+                or (load.queued_pixel_bytes)
+            ):
                 found.append(
                     f"{proc.name}: {load.num_queued_requests} rooms, "
-                    f"{stats.get('num_used_blocks')} blocks"
+                    f"{stats.get('num_used_blocks')} blocks, {load.queued_pixel_bytes} patch bytes"
                 )
         for i, proc in enumerate(self.languages):
             if not proc.alive():
