@@ -31,6 +31,7 @@ from .auth import FrameAuth
 MAX_FRAME_BYTES = 64 * 1024  # control frames are small; an init is the largest
 MAX_INIT_BLOCKS = 16_000  # block ids one init may list (at most ~48 KiB of them)
 MAX_FRAMES_PER_RECV = 1024  # so timers are looked at between bursts
+CLOSE_LINGER_MS = 200  # a socket closed for the bound or idleness still sends what it queued
 
 
 class ControlChannel:
@@ -112,7 +113,7 @@ class ControlChannel:
             self._close(sock)
 
     def _close(self, sock: zmq.Socket) -> None:
-        sock.close(0)
+        sock.close(CLOSE_LINGER_MS)
         self.num_sockets_closed += 1
 
     def close_idle(self) -> None:

@@ -46,10 +46,6 @@ class PeerTracker:
         self._incarnation[endpoint] = incarnation
         return previous if previous and previous != incarnation else 0
 
-    def incarnation(self, endpoint: str) -> int:
-        """The peer's incarnation as last heard (0 when unknown)."""
-        return self._incarnation.get(endpoint, 0)
-
     def sent(self, endpoint: str, now: float) -> None:
         """A message went to ``endpoint``: no heartbeat is due for ``interval_s``."""
         if endpoint in self._last_sent:

@@ -207,7 +207,6 @@ class EmbeddingReceiver(ReceiverChunks):
         if state.state == RoomState.BOOTSTRAPPING:
             state.move(RoomState.WAITING_FOR_INPUT)
             state.deadline = now + self.config.bootstrap_timeout_s + self.config.transfer_timeout_s
-            state.sender_incarnation = self.peers.incarnation(state.sender_endpoint)
         else:
             state.deadline = now + self.config.transfer_timeout_s + self.config.heartbeat_timeout_s
         self._send(state.sender_endpoint, msg)

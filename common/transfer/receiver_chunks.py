@@ -122,6 +122,7 @@ class ReceiverChunks(TransferEndpoint):
             self.counters["unexpected_status"] += 1
             return
         state.acked = True
+        self.counters["acknowledged_inits"] += 1
         slack = self.config.transfer_timeout_s + self.config.heartbeat_timeout_s
         state.deadline = time.monotonic() + min(wait_s, MAX_ACK_WAIT_S) + slack
 

@@ -27,7 +27,7 @@ class ReceiverRoom:
     awaiting_write: bool = False  # an init is out: a write into `allocation` may land
     init_sent: bool = False  # the sender knows this room (abort it when we give up)
     acked: bool = False  # the sender holds our first init for the data ("still encoding")
-    sender_incarnation: int = 0  # the sender process this room is bound to (0: not known yet)
+    sender_incarnation: int = 0  # the sender process that answered for the room (0: none yet)
     kind: FailureKind = FailureKind.UNSPECIFIED
     received: int = 0  # == sent_tokens of the next init
     num_image_rows_received: int = 0
