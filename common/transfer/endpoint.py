@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 
 from protos.epd.v1 import transfer_pb2
 
@@ -36,6 +37,7 @@ from .layout import BufferLayout
 from .liveness import PeerTracker
 from .shm_transport import ShmTransport
 from .transport import host_id, uses_mooncake, uses_shm
+from .types import RoomState
 
 logger = logging.getLogger(__name__)
 
@@ -168,11 +170,12 @@ class TransferEndpoint(ABC):
     def _next_due(self) -> float | None:
         """The earliest monotonic time ``_on_tick`` has something to do; None: nothing."""
 
-    def _common_stats(self) -> dict:
+    def _common_stats(self, finished: Iterable[RoomState]) -> dict:
         """Rooms by state and block counters; the caller holds the lock. Subclasses keep their
-        live rooms in ``_rooms`` (room -> state holder) and ended ones in ``_finished``."""
+        live rooms in ``_rooms`` (room -> state holder) and pass the final states of ended
+        ones."""
         by_state = collections.Counter(r.state.name for r in self._rooms.values())
-        finished = collections.Counter(s.name for s in self._finished.values())
+        finished = collections.Counter(state.name for state in finished)
         return {
             "rooms_active": dict(by_state),
             "rooms_finished": dict(finished),

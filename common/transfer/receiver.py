@@ -143,7 +143,7 @@ class EmbeddingReceiver(ReceiverChunks):
     def stats(self) -> dict:
         with self._lock:
             return {
-                **self._common_stats(),
+                **self._common_stats(self._finished.values()),
                 "num_quarantined_blocks": sum(
                     len(a.block_ids) for _, q in self._quarantine.values() for a, _ in q
                 ),

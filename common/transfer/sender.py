@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,10 +45,17 @@ MAX_UNANNOUNCED_ROOMS = 10_000  # rooms created by an init alone, waiting for th
 MAX_PEER_TEXT = 200  # characters of a peer's free text kept in a failure reason
 
 
+class Ended(NamedTuple):
+    state: RoomState
+    kind: FailureKind = FailureKind.UNSPECIFIED
+    reason: str = ""
+
+
 class EmbeddingSender(SenderWrites):
     def __init__(self, config: TransferConfig, layout: BufferLayout) -> None:
         self._rooms: dict[int, SenderRoom] = {}
-        self._finished: collections.OrderedDict[int, RoomState] = collections.OrderedDict()
+        # ended rooms: their final state, and why a failed one failed (told to late inits)
+        self._finished: collections.OrderedDict[int, Ended] = collections.OrderedDict()
         self._failed_by_reason: collections.Counter[str] = collections.Counter()
         self._init_writes()
         # Observer of each successful chunk write: (bytes, seconds). Set by the metrics.
@@ -134,8 +142,9 @@ class EmbeddingSender(SenderWrites):
             state = self._rooms.get(room)
             if state is None:
                 if room not in self._finished:
-                    self._remember(room, RoomState.FAILED)
-                    self._failed_by_reason[FailureKind.ENCODE_FAILED.label] += 1
+                    kind = FailureKind.ENCODE_FAILED
+                    self._remember(room, Ended(RoomState.FAILED, kind, kind.reason(reason)))
+                    self._failed_by_reason[kind.label] += 1
                 return
             self._fail(state, FailureKind.ENCODE_FAILED, reason)
 
@@ -144,12 +153,12 @@ class EmbeddingSender(SenderWrites):
         with self._lock:
             if room in self._rooms:
                 return self._rooms[room].state
-            return self._finished[room]
+            return self._finished[room].state
 
     def stats(self) -> dict:
         with self._lock:
             return {
-                **self._common_stats(),
+                **self._common_stats(e.state for e in self._finished.values()),
                 "bytes_sent": self.bytes_sent,
                 "num_transfers": self.num_transfers,
                 "write_seconds": self.write_seconds,
@@ -196,8 +205,8 @@ class EmbeddingSender(SenderWrites):
             raise ValueError("image_mask must have total_tokens entries, num_image_rows set")
         return mask
 
-    def _remember(self, room: int, state: RoomState) -> None:
-        self._finished[room] = state
+    def _remember(self, room: int, ended: Ended) -> None:
+        self._finished[room] = ended
         while len(self._finished) > MAX_FINISHED_ROOMS:
             self._finished.popitem(last=False)
 
@@ -234,7 +243,7 @@ class EmbeddingSender(SenderWrites):
             self.allocator.free(state.allocation)
             state.allocation = None
         self._rooms.pop(state.room, None)
-        self._remember(state.room, state.state)
+        self._remember(state.room, Ended(state.state, state.kind, state.reason))
         self._shm_sweep_due = True
 
     def _fail(self, state: SenderRoom, kind: FailureKind, detail: str) -> None:
@@ -280,7 +289,7 @@ class EmbeddingSender(SenderWrites):
                 env.from_endpoint, room, RoomState.FAILED, error=error, error_kind=int(kind)
             )
             if room not in self._finished:
-                self._remember(room, RoomState.FAILED)
+                self._remember(room, Ended(RoomState.FAILED, kind, error))
             return
         if state.receiver_endpoint != env.from_endpoint:
             self.counters["wrong_peer"] += 1
@@ -295,16 +304,15 @@ class EmbeddingSender(SenderWrites):
         now = time.monotonic()
         state = self._rooms.get(init.room)
         if state is None:
-            finished = self._finished.get(init.room)
-            if finished is not None:
-                if finished == RoomState.FAILED:
-                    kind = FailureKind.ENCODE_FAILED
+            ended = self._finished.get(init.room)
+            if ended is not None:
+                if ended.state == RoomState.FAILED:  # failed before the init arrived
                     self._status_to(
                         peer,
                         init.room,
                         RoomState.FAILED,
-                        error=kind.reason("failed before the init arrived"),
-                        error_kind=int(kind),
+                        error=ended.reason or "failed before the init arrived",
+                        error_kind=int(ended.kind),
                     )
                 else:
                     self.counters["stale_init"] += 1
