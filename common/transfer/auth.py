@@ -80,10 +80,10 @@ class ReplayGuard:
                 ((mask << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
             )
             return True
-        bit = 1 << (highest - seq)
-        if highest - seq >= REPLAY_WINDOW or mask & bit:
+        behind = highest - seq
+        if behind >= REPLAY_WINDOW or mask >> behind & 1:
             return False
-        entry[1] = mask | bit
+        entry[1] = mask | 1 << behind
         return True
 
 

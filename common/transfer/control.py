@@ -74,6 +74,8 @@ class ControlChannel:
     def send(self, endpoint: str, message: transfer_pb2.TransferEnvelope) -> bool:
         """Stamp (seq, time, destination), seal and queue ``message``; False when dropped."""
         with self._send_lock:
+            if self._pull.closed:  # shutting down: a writer's last status goes nowhere
+                return False
             now = time.monotonic()
             self._seq += 1
             message.seq = self._seq

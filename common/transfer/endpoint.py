@@ -9,7 +9,8 @@ After every wake-up it runs ``_on_tick``, which acts only on what is due.
 Every frame that comes off the socket is counted once as ``received`` and then exactly once as
 ``handled`` (authenticated, decoded and given to ``_on_message``) or as ``dropped_<why>``:
 ``unauthenticated``, ``misdirected``, ``stale``, ``replayed`` (see ``auth.py``), ``garbage``,
-``unknown_version``, ``empty``, ``bad_endpoint`` or ``handler_error``. Other counters
+``unknown_version``, ``empty``, ``bad_endpoint`` (not ``tcp://HOST:PORT``, or our own) or
+``handler_error``. Other counters
 (``unknown_room``, ``wrong_peer``...) say what a handled frame turned out to be. All room state
 is guarded by ``self._lock``; callbacks run with it held.
 """
@@ -40,6 +41,8 @@ from .transport import host_id, uses_mooncake, uses_shm
 from .types import RoomState
 
 logger = logging.getLogger(__name__)
+
+MAX_SLEEP_MS = 2**31 - 1  # zmq_poll takes a C long of milliseconds: ~24 days
 
 
 class TransferEndpoint(ABC):
@@ -102,46 +105,49 @@ class TransferEndpoint(ABC):
                 self._dispatch(frame)
             with self._lock:
                 self.num_wakeups += 1
-                now = time.monotonic()
                 try:
-                    self._on_tick(now)
-                except Exception:
+                    self._on_tick(time.monotonic())
+                    self.channel.close_idle()
+                    due = self._next_due()
+                except Exception:  # a bug: keep serving, and look again a little later
                     logger.exception("transfer tick failed")
-                self.channel.close_idle()
-                due = self._next_due()
+                    due = time.monotonic() + self.config.heartbeat_interval_s
             if due is None:
                 timeout_ms = None
             else:
-                timeout_ms = max(0, math.ceil((due - time.monotonic()) * 1000))
+                timeout_ms = min(MAX_SLEEP_MS, max(0, math.ceil((due - time.monotonic()) * 1000)))
 
     def _dispatch(self, frame: bytes) -> None:
         with self._lock:
             self.counters["received"] += 1
-            payload = self.auth.open(frame)
-            if payload is None:
-                self.counters["dropped_unauthenticated"] += 1
-                return
-            decoded = messages.decode(payload)
-            env = decoded.envelope
-            if env is None:
-                self.counters[f"dropped_{decoded.error}"] += 1
-                return
-            problem = self.auth.check(env, self.endpoint)
-            if problem:
-                self.counters[f"dropped_{problem}"] += 1
-                return
-            if not messages.valid_endpoint(env.from_endpoint):
-                self.counters["dropped_bad_endpoint"] += 1
-                return
             try:
-                previous = self.peers.touch(env.from_endpoint, time.monotonic(), env.incarnation)
-                if previous:
-                    self._on_peer_restarted(env.from_endpoint, previous)
-                self._on_message(env)
-                self.counters["handled"] += 1
-            except Exception:
+                self._dispatch_locked(frame)
+            except Exception:  # a bug must cost one frame, never the loop
                 self.counters["dropped_handler_error"] += 1
-                logger.exception("failed to handle a %s message", env.WhichOneof("body"))
+                logger.exception("failed to handle a control frame")
+
+    def _dispatch_locked(self, frame: bytes) -> None:
+        payload = self.auth.open(frame)
+        if payload is None:
+            self.counters["dropped_unauthenticated"] += 1
+            return
+        decoded = messages.decode(payload)
+        env = decoded.envelope
+        if env is None:
+            self.counters[f"dropped_{decoded.error}"] += 1
+            return
+        problem = self.auth.check(env, self.endpoint)
+        if problem:
+            self.counters[f"dropped_{problem}"] += 1
+            return
+        if env.from_endpoint == self.endpoint or not messages.valid_endpoint(env.from_endpoint):
+            self.counters["dropped_bad_endpoint"] += 1
+            return
+        previous = self.peers.touch(env.from_endpoint, time.monotonic(), env.incarnation)
+        if previous:
+            self._on_peer_restarted(env.from_endpoint, previous)
+        self._on_message(env)
+        self.counters["handled"] += 1
 
     def _send(self, endpoint: str, message: transfer_pb2.TransferEnvelope) -> None:
         """Send a control message (the caller holds the lock); it doubles as a heartbeat."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
@@ -27,6 +28,8 @@ MINOR_DEST_OFFSETS = 2  # a sender of at least this minor honours TransferInit.d
 MINOR_ACKS = 3  # a sender of at least this minor acknowledges an init that waits for data
 
 MAX_ENDPOINT_LEN = 255
+VERSION_WARNING_INTERVAL_S = 60.0
+_last_version_warning = -VERSION_WARNING_INTERVAL_S
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):([0-9]{1,5})")
 
 
@@ -51,15 +54,25 @@ def decode(frame: bytes) -> Decoded:
     except (DecodeError, ValueError, RuntimeError):
         return Decoded(None, "garbage")
     if msg.version != TRANSFER_PROTOCOL_VERSION:
-        logger.warning(
-            "dropping control message of protocol version %d (this side speaks %d)",
-            msg.version,
-            TRANSFER_PROTOCOL_VERSION,
-        )
+        _warn_version(msg.version)
         return Decoded(None, "unknown_version")
     if msg.WhichOneof("body") is None:
         return Decoded(None, "empty")
     return Decoded(msg, "")
+
+
+def _warn_version(version: int) -> None:
+    """Log a foreign major version at most once a minute (every frame is counted anyway)."""
+    global _last_version_warning
+    now = time.monotonic()
+    if now - _last_version_warning >= VERSION_WARNING_INTERVAL_S:
+        _last_version_warning = now
+        logger.warning(
+            "dropping control frames of protocol version %d (this side speaks %d): a peer of "
+            "another release? see dropped_unknown_version",
+            version,
+            TRANSFER_PROTOCOL_VERSION,
+        )
 
 
 def valid_endpoint(endpoint: str) -> bool:

@@ -109,7 +109,7 @@ class EmbeddingSender(SenderWrites):
         mask = self._check_inputs(fill_ids, positions, image_rows, aux, image_mask)
         with self._lock:
             if room in self._finished:
-                self.counters["dropped_late_submit"] += 1
+                self.counters["discarded_late_submits"] += 1
                 return True
             existing = self._rooms.get(room)
             if existing is not None and existing.has_data:
@@ -122,7 +122,7 @@ class EmbeddingSender(SenderWrites):
             state = self._rooms.get(room)
             if state is None and room in self._finished:  # failed meanwhile
                 self.allocator.free(allocation)
-                self.counters["dropped_late_submit"] += 1
+                self.counters["discarded_late_submits"] += 1
                 return True
             if state is None:
                 state = self._rooms[room] = SenderRoom(room)
@@ -147,6 +147,7 @@ class EmbeddingSender(SenderWrites):
                     self._failed_by_reason[kind.label] += 1
                 return
             self._fail(state, FailureKind.ENCODE_FAILED, reason)
+        self._wake()  # the loop forgets peers left without rooms
 
     def poll(self, room: int) -> RoomState:
         """The room's state; KeyError for a room this sender never heard of."""

@@ -92,10 +92,11 @@ class SenderWrites(TransferEndpoint):
 
     def _dequeue(self, state: SenderRoom) -> None:
         """Take the room's job out of its queue (it has not started): its blocks are free."""
-        queue = self._write_queues.get(state.receiver_endpoint, ())
-        for job in list(queue):
-            if job[0] is state:
-                queue.remove(job)
+        queue = self._write_queues.get(state.receiver_endpoint)
+        if queue is not None:  # by identity: rooms do not compare by value
+            kept = [job for job in queue if job[0] is not state]
+            queue.clear()
+            queue.extend(kept)
         state.writing = False
 
     def _drain(self, endpoint: str) -> None:
@@ -192,10 +193,10 @@ class SenderWrites(TransferEndpoint):
             if done:
                 state.move(RoomState.SUCCESS)
                 self._finish(state)
-                return
-            self._arm(state, time.monotonic())  # now waiting for the continuation init
-            self._maybe_write(state)  # it may already be here
-        self._wake()
+            else:
+                self._arm(state, time.monotonic())  # now waiting for the continuation init
+                self._maybe_write(state)  # it may already be here
+        self._wake()  # a new bound, or a peer left without rooms
 
     def _end_write(self, state: SenderRoom) -> None:
         """A failed room's write job is over: acknowledge (nothing in flight) and free."""

@@ -93,6 +93,7 @@ def test_replay_guard_window() -> None:
     assert guard.accept(1, 5000) and not guard.accept(1, 12)  # fell out of the window
     assert guard.accept(2, 12)  # another sender process
     assert not guard.accept(3, 0)
+    assert guard.accept(4, 2**64 - 1) and not guard.accept(4, 1)  # far below: no huge shift
 
 
 def test_unauthenticated_frames_are_dropped_counted_and_never_acted_on(

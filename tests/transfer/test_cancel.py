@@ -51,9 +51,9 @@ def _encode_failed(receiver: EmbeddingReceiver, room: int) -> TransferError:
 
 
 def _late_data_is_dropped(sender: EmbeddingSender, s) -> None:
-    dropped = sender.stats()["messages"].get("dropped_late_submit", 0)
+    dropped = sender.stats()["messages"].get("discarded_late_submits", 0)
     _submit(sender, s)
-    assert sender.stats()["messages"]["dropped_late_submit"] == dropped + 1
+    assert sender.stats()["messages"]["discarded_late_submits"] == dropped + 1
     assert sender.stats()["num_used_blocks"] == 0 and sender.poll(s.seed) == RoomState.FAILED
 
 
