@@ -1,7 +1,10 @@
 """Same-host transport: the sender maps the receiver's /dev/shm region files and memcpy's.
 
 The session string lists the receiver's regions as ``name@base+nbytes`` joined by ``;``; a
-destination address is translated to the matching mapping in this process.
+destination address is translated to the matching mapping in this process. Only files named like
+receive regions, regular and of exactly the advertised size, are ever mapped
+(``regions.map_peer_region``), a mapping is never used with another size, and every segment must
+fall inside one region: anything else is a ``BadDestinationError`` with nothing written.
 """
 
 from __future__ import annotations

@@ -193,3 +193,19 @@ def test_token_fields_round_trip_through_scattered_blocks() -> None:
         assert empty_fill.shape == (0,) and empty_pos.shape == (3, 0)
     finally:
         buffers.close()
+
+
+def test_peer_restarts_strangers_and_the_next_due_time() -> None:
+    peers = PeerTracker(interval_s=1.0, timeout_s=5.0)
+    peers.touch("stranger", now=1.0, incarnation=7)  # not watched: nothing is recorded
+    assert len(peers) == 0 and peers.next_due({"stranger"}) is None
+    peers.watch("a", now=10.0, incarnation=7)
+    assert peers.next_due({"a"}) == 11.0  # the first heartbeat, before the silence check
+    assert peers.touch("a", now=10.5, incarnation=7) == 0
+    assert peers.touch("a", now=10.6, incarnation=0) == 0  # an older peer does not say
+    assert peers.touch("a", now=10.7, incarnation=9) == 7  # restarted: its old life is 7
+    assert peers.touch("a", now=10.8, incarnation=9) == 0
+    peers.due_heartbeats({"a"}, now=11.0)
+    assert peers.next_due({"a"}) == 12.0
+    peers.forget_idle(set())
+    assert len(peers) == 0
