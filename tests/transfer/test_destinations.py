@@ -149,7 +149,19 @@ def _forged_init(receiver, room: int, forger: Forger, to: str, base: int) -> byt
     return forger.seal(env)
 
 
-def test_mooncake_refuses_memory_the_receiver_did_not_register(sender, make_receiver) -> None:
+@pytest.fixture(scope="module")
+def patient_sender():
+    """Slow to give up on a write or a silent peer: only the write's own error can end it."""
+    config = make_config(num_blocks=64, transfer_timeout_s=30.0, heartbeat_timeout_s=30.0)
+    peer = Peer("sender", config, layout_of(config))
+    yield peer
+    peer.close()
+
+
+def test_mooncake_refuses_memory_the_receiver_did_not_register(
+    patient_sender, make_receiver
+) -> None:
+    sender = patient_sender
     receiver = make_receiver()  # registered its buffers with Mooncake; nothing else
     s = spec(new_room(), 700)
     assert sender.ask("submit", s)
@@ -161,7 +173,7 @@ def test_mooncake_refuses_memory_the_receiver_did_not_register(sender, make_rece
         forger.push(
             sender.endpoint, _forged_init(receiver, s.seed, forger, sender.endpoint, victim.base)
         )
-        replies = [r.status for r in forger.replies(2.0)]
+        replies = [r.status for r in forger.replies(3.0) if r.WhichOneof("body") == "status"]
         failed = [r for r in replies if r.state == transfer_pb2.TRANSFER_STATE_FAILED]
         assert len(failed) == 1, replies
         assert failed[0].error_kind == FailureKind.WRITE_FAILED
