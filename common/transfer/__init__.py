@@ -15,6 +15,7 @@ from .receiver import EmbeddingReceiver
 from .sender import EmbeddingSender
 from .types import (
     AuxInfo,
+    FailureKind,
     ReceivedEmbeddings,
     RoomState,
     TransferError,
@@ -29,6 +30,7 @@ __all__ = [
     "BufferLayout",
     "EmbeddingReceiver",
     "EmbeddingSender",
+    "FailureKind",
     "ReceivedEmbeddings",
     "RoomState",
     "TransferConfig",

@@ -19,10 +19,9 @@ import numpy as np
 from protos.epd.v1 import transfer_pb2
 
 from .addressing import pair_runs, slot_runs
-from .aux_record import AUX_HEADER_BYTES, AUX_RECORD_BYTES, ChunkInfo
+from .aux_record import AUX_RECORD_BYTES, ChunkInfo
 from .buffers import DataBuffers
 from .layout import BufferLayout, dtype_name
-from .types import MAX_EXTRA_BYTES
 
 
 class Segments(NamedTuple):
@@ -41,8 +40,8 @@ def plan_chunk(row_prefix: np.ndarray, sent_tokens: int, capacity: int) -> Chunk
 
 
 def layout_fields(layout: BufferLayout) -> dict:
-    """The ``TransferInit`` fields that describe a receiver's buffers (what ``check_init``
-    holds against the sender's own layout)."""
+    """The ``TransferInit`` fields that describe a receiver's buffers (what
+    ``destinations.check_init`` holds against the sender's own layout)."""
     return dict(
         row_bytes=layout.row_bytes,
         hidden_size=layout.hidden_size,
@@ -52,31 +51,6 @@ def layout_fields(layout: BufferLayout) -> dict:
         num_blocks=layout.num_blocks,
         aux_record_bytes=AUX_RECORD_BYTES,
     )
-
-
-def check_init(init: transfer_pb2.TransferInit, layout: BufferLayout) -> str:
-    """Why the receiver's buffers cannot take our rows ("" when they can)."""
-    ours = (layout.hidden_size, layout.num_deepstack, dtype_name(layout.dtype), layout.row_bytes)
-    theirs = (init.hidden_size, init.num_deepstack, init.dtype, init.row_bytes)
-    if ours != theirs:
-        return (
-            f"layout_mismatch: receiver hidden={theirs[0]} deepstack={theirs[1]} "
-            f"dtype={theirs[2]} row_bytes={theirs[3]}, sender {layout.describe()}"
-        )
-    ids = list(init.block_ids)
-    if not ids or len(set(ids)) != len(ids) or max(ids) >= init.num_blocks:
-        return f"bad_init: invalid destination block ids {ids[:8]}..."
-    capacity = len(ids) * init.block_size
-    if init.block_size <= 0 or init.dest_token_offset + init.num_tokens_allocated > capacity:
-        return "bad_init: tokens allocated exceed the destination blocks"
-    if init.dest_token_offset > init.sent_tokens:
-        return "bad_init: more tokens in place than were sent"
-    slots = init.num_blocks * init.block_size
-    if init.rows.nbytes < slots * init.row_bytes or init.fill_ids.nbytes < slots * 4:
-        return "bad_init: destination regions smaller than advertised"
-    if init.aux_record_bytes < AUX_HEADER_BYTES + MAX_EXTRA_BYTES:
-        return "bad_init: destination aux record too small"
-    return ""
 
 
 def dest_row_offset(row_prefix: np.ndarray, init: transfer_pb2.TransferInit) -> int:

@@ -1,10 +1,16 @@
-"""Configuration of the embedding transfer plane (both the sender and the receiver side)."""
+"""Configuration of the embedding transfer plane (both the sender and the receiver side).
+
+The control secret is given as a file path (``secret_file``), never as a value: it comes from
+a mounted Kubernetes Secret and stays off command lines and out of the environment.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from common.cli_config import field
+
+from .auth import load_secret
 
 ENV_PREFIX = "EPD_TRANSFER_"
 TRANSPORTS = ("mooncake", "shm", "auto")
@@ -33,15 +39,37 @@ class TransferConfig:
     host: str = field("127.0.0.1", help="address advertised to peers (control socket + Mooncake)")
     control_port: int = field(0, help="ZMQ control port; 0 picks a free port")
     bootstrap_timeout_s: float = field(
-        30.0, help="data ready but no init yet (sender), or init sent but no data (receiver)"
+        30.0,
+        help="a room the encoder did not announce (no expect() with the request's deadline): "
+        "its data waiting for an init, or an init waiting for its data",
     )
     waiting_timeout_s: float = field(
-        30.0, help="sender waiting for a continuation init; receiver waiting for blocks"
+        30.0,
+        help="without a request deadline: sender waiting for a continuation init, receiver "
+        "waiting for free blocks",
     )
     transfer_timeout_s: float = field(30.0, help="a write that does not finish")
     heartbeat_interval_s: float = field(1.0, help="seconds between heartbeats to each peer")
     heartbeat_timeout_s: float = field(5.0, help="a peer silent this long fails its rooms")
+    max_room_tokens: int = field(
+        262144,
+        help="longest request (tokens) a receiver accepts; a sender announcing a longer one "
+        "fails the room (set it to the language model's longest sequence)",
+    )
     num_writers: int = field(4, help="sender threads issuing writes (a slow peer blocks one)")
+    secret_file: str = field(
+        "",
+        help="file holding the secret that authenticates control frames (HMAC-SHA256, at least "
+        "16 bytes; e.g. a mounted Kubernetes Secret), the same on every encoder and language "
+        "worker; empty: frames are not authenticated (development only)",
+    )
+    auth_window_s: float = field(
+        10.0,
+        help="authenticated frames stamped further than this from our wall clock are dropped "
+        "(replay guard; allow for clock skew between hosts)",
+    )
+    max_peers: int = field(256, help="control sockets kept open to peers (least recent closed)")
+    peer_idle_s: float = field(60.0, help="a control socket unused this long is closed")
     max_lent_fraction: float = field(
         0.5,
         help="share of the receive buffer that delivered rooms may keep lent to their consumer "
@@ -76,8 +104,18 @@ class TransferConfig:
                 raise ValueError(f"{name} must be positive")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
+        if self.max_room_tokens <= 0:
+            raise ValueError(f"max_room_tokens must be positive, got {self.max_room_tokens}")
         if self.num_writers <= 0:
             raise ValueError("num_writers must be positive")
+        if self.secret_file:
+            load_secret(self.secret_file)  # a missing, short or unreadable file fails at start
+        if self.auth_window_s <= 0:
+            raise ValueError(f"auth_window_s must be positive, got {self.auth_window_s}")
+        if self.max_peers <= 0:
+            raise ValueError(f"max_peers must be positive, got {self.max_peers}")
+        if self.peer_idle_s <= 0:
+            raise ValueError(f"peer_idle_s must be positive, got {self.peer_idle_s}")
         if not 0.0 <= self.max_lent_fraction <= 1.0:
             raise ValueError(f"max_lent_fraction must be in [0, 1], got {self.max_lent_fraction}")
 

@@ -1,24 +1,50 @@
-"""ZMQ control channel: one PULL socket bound per side, one PUSH socket per peer.
+"""ZMQ control channel: one PULL socket bound per side, a bounded table of PUSH sockets.
 
 Messages are one-way; a reply goes to the ``from_endpoint`` of the envelope. Sends never block
 (``NOBLOCK``; a full or unreachable peer drops the message and the room's timeouts take over)
-and are serialised by a lock so any thread may send. Only the owner's loop thread receives.
+and are serialised by a lock so any thread may send; the lock also keeps each frame's ``seq``
+in the order frames enter their socket. Only the owner's loop thread receives.
+
+Bounds: a frame over ``MAX_FRAME_BYTES`` never reaches the owner (``zmq.MAXMSGSIZE``: libzmq
+closes the connection that carried it, and a real peer's socket reconnects by itself); at most
+``max_peers`` PUSH sockets are open (the least recently used is closed first) and one unused for
+``idle_s`` is closed at the next send or ``close_idle``. Sockets are only opened for endpoints
+the owner decided to answer, i.e. after the frame naming them was authenticated.
+
+``recv`` sleeps in ``zmq.Poller`` until a frame comes, the timeout passes or another thread
+calls ``wake`` (a byte on a pipe the poller also watches): there is no periodic tick.
 """
 
 from __future__ import annotations
 
+import collections
+import os
 import threading
+import time
 
 import zmq
 
 from protos.epd.v1 import transfer_pb2
 
+from .auth import FrameAuth
+
+MAX_FRAME_BYTES = 64 * 1024  # control frames are small; an init is the largest
+MAX_INIT_BLOCKS = 16_000  # block ids one init may list (at most ~48 KiB of them)
+MAX_FRAMES_PER_RECV = 1024  # so timers are looked at between bursts
+CLOSE_LINGER_MS = 200  # a socket closed for the bound or idleness still sends what it queued
+
 
 class ControlChannel:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(
+        self, host: str, port: int, auth: FrameAuth, max_peers: int = 256, idle_s: float = 60.0
+    ) -> None:
+        self._auth = auth
+        self._max_peers = max_peers
+        self._idle_s = idle_s
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
             if port:
                 self._pull.bind(f"tcp://{host}:{port}")
@@ -30,24 +56,33 @@ class ControlChannel:
             self._ctx.term()
             raise OSError(f"cannot bind transfer control port {host}:{port}: {exc}") from None
         self.endpoint = f"tcp://{host}:{bound_port}"
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
-        self._push: dict[str, zmq.Socket] = {}
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        # endpoint -> (socket, last use), least recently used first
+        self._push: collections.OrderedDict[str, tuple[zmq.Socket, float]] = (
+            collections.OrderedDict()
+        )
         self._send_lock = threading.Lock()
+        self._seq = 0
         self.num_dropped_sends = 0
+        self.num_sockets_closed = 0
 
     def send(self, endpoint: str, message: transfer_pb2.TransferEnvelope) -> bool:
-        return self.send_raw(endpoint, message.SerializeToString())
-
-    def send_raw(self, endpoint: str, frame: bytes) -> bool:
+        """Stamp (seq, time, destination), seal and queue ``message``; False when dropped."""
         with self._send_lock:
-            sock = self._push.get(endpoint)
-            if sock is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 10000)
-                sock.connect(endpoint)
-                self._push[endpoint] = sock
+            if self._pull.closed:  # shutting down: a writer's last status goes nowhere
+                return False
+            now = time.monotonic()
+            self._seq += 1
+            message.seq = self._seq
+            message.sent_at_ms = int(time.time() * 1000)
+            message.to_endpoint = endpoint
+            frame = self._auth.seal(message.SerializeToString())
+            sock = self._socket(endpoint, now)
             try:
                 sock.send(frame, zmq.NOBLOCK)
                 return True
@@ -55,21 +90,79 @@ class ControlChannel:
                 self.num_dropped_sends += 1
                 return False
 
-    def recv(self, timeout_ms: int) -> list[bytes]:
-        """Frames that arrived within ``timeout_ms`` (all that are queued, without waiting more)."""
+    def _socket(self, endpoint: str, now: float) -> zmq.Socket:
+        entry = self._push.pop(endpoint, None)
+        self._close_idle(now)
+        if entry is None:
+            while len(self._push) >= self._max_peers:
+                _, (old, _) = self._push.popitem(last=False)
+                self._close(old)
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.connect(endpoint)
+        else:
+            sock = entry[0]
+        self._push[endpoint] = (sock, now)
+        return sock
+
+    def _close_idle(self, now: float) -> None:
+        while self._push:
+            endpoint, (sock, last_used) = next(iter(self._push.items()))
+            if now - last_used < self._idle_s:
+                return
+            del self._push[endpoint]
+            self._close(sock)
+
+    def _close(self, sock: zmq.Socket) -> None:
+        sock.close(CLOSE_LINGER_MS)
+        self.num_sockets_closed += 1
+
+    def close_idle(self) -> None:
+        with self._send_lock:
+            self._close_idle(time.monotonic())
+
+    @property
+    def num_sockets(self) -> int:
+        with self._send_lock:
+            return len(self._push)
+
+    def wake(self) -> None:
+        """Make a ``recv`` in progress (or the next one) return at once; any thread."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is already pending) or closed
+
+    def recv(self, timeout_ms: int | None) -> list[bytes]:
+        """Frames that arrived within ``timeout_ms`` (None: no limit), all that are queued up to
+        ``MAX_FRAMES_PER_RECV``; an empty list after a timeout or a ``wake``."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
         frames: list[bytes] = []
-        if not self._poller.poll(timeout_ms):
+        if self._pull not in events:
             return frames
-        while True:
+        while len(frames) < MAX_FRAMES_PER_RECV:
             try:
                 frames.append(self._pull.recv(zmq.NOBLOCK))
             except zmq.Again:
-                return frames
+                break
+        return frames
 
     def close(self) -> None:
+        """Close every socket and the pipe; a second call does nothing."""
         with self._send_lock:
-            for sock in self._push.values():
+            if self._pull.closed:
+                return
+            for sock, _ in self._push.values():
                 sock.close(0)
             self._push.clear()
             self._pull.close(0)
             self._ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)

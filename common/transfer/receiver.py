@@ -3,43 +3,51 @@
 Room flow (receiver view)::
 
     add_room -> BOOTSTRAPPING (queued until default_tokens of blocks are free)
-             -> WAITING_FOR_INPUT (init sent with sent_tokens = 0)
+             -> WAITING_FOR_INPUT (init sent with sent_tokens = 0; the sender acknowledges it
+                              while the encoder still works on the room)
              -> TRANSFERRING (a chunk landed, more remains: either extend the room's blocks to
                               the whole request and ask for the rest behind what arrived, or
                               copy it out, free the blocks and alloc_up_to(rest); continuation
                               init with sent_tokens = received)
              -> SUCCESS (the whole request is assembled)   | FAILED from anywhere
 
+Timeouts measure liveness and the request's deadline: a room waits for our own blocks until
+its deadline (``waiting_timeout_s`` without one); an init waits for the sender's answer
+``bootstrap_timeout_s + transfer_timeout_s``, and once the sender acknowledged it ("still
+encoding", ``wait_s``) as long as the sender said it holds it, plus a write and a heartbeat
+timeout; a continuation ``transfer_timeout_s + heartbeat_timeout_s``. A sender silent for
+``heartbeat_timeout_s`` (it heartbeats us while any room of ours waits, data or not), or one
+answering with a new incarnation, fails its rooms; the request's deadline bounds every state.
+
 Zero-copy delivery: a room whose chunks all landed in its blocks, rows in one run of slots, is
 delivered as a view of them (``ReceivedEmbeddings.lent``); the blocks stay lent until the
-consumer calls ``release(room)``. Lent blocks stay within ``config.max_lent_fraction`` of the
-buffer and never take the space a new room's default allocation needs; a room that would not
-fit that share (or whose sender predates ``dest_token_offset``) is copied out chunk by chunk.
-
-Buffer priority: waiting continuations are served before any new room. Blocks into which a
-write may still land (an init is out) are never freed on failure or abort: they go to
-quarantine until the sender acknowledges (a FAILED status without ``write_in_flight``) or
-``config.quarantine_s`` passes.
+consumer calls ``release(room)``. Buffer priority: waiting continuations are served before any
+new room. Blocks into which a write may still land (an init is out) are never freed on failure
+or abort: they go to quarantine until the sender acknowledges (a FAILED status without
+``write_in_flight``) or ``config.quarantine_s`` passes. Status handling is in
+``receiver_chunks.py``.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 
 from protos.epd.v1 import transfer_pb2
 
-from . import aux_record, chunks, messages
+from . import chunks, messages
 from .allocator import Allocation
 from .config import TransferConfig
-from .endpoint import TransferEndpoint
+from .control import MAX_INIT_BLOCKS
 from .layout import BufferLayout
+from .receiver_chunks import ReceiverChunks
 from .receiver_room import ReceiverRoom
 from .transport import uses_shm
-from .types import ReceivedEmbeddings, RoomState, TransferError
+from .types import FailureKind, ReceivedEmbeddings, RoomState, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +55,15 @@ MAX_FINISHED_ROOMS = 100_000
 Done = tuple[int, ReceivedEmbeddings | TransferError]
 
 
-class EmbeddingReceiver(TransferEndpoint):
+class EmbeddingReceiver(ReceiverChunks):
     def __init__(self, config: TransferConfig, layout: BufferLayout) -> None:
         self._rooms: dict[int, ReceiverRoom] = {}
         self._finished: collections.OrderedDict[int, RoomState] = collections.OrderedDict()
         self._done: list[Done] = []
         self._new_queue: collections.deque[int] = collections.deque()
         self._cont_queue: collections.deque[int] = collections.deque()
-        self._quarantine: dict[int, list[tuple[Allocation, float]]] = {}
+        # room -> (its sender, [(blocks a write may still hit, until when)])
+        self._quarantine: dict[int, tuple[str, list[tuple[Allocation, float]]]] = {}
         self._lent: dict[int, Allocation] = {}  # delivered rooms whose rows are views of these
         self.num_rooms_lent = 0  # lifetime count of rooms delivered without a copy
         self._failed_by_reason: collections.Counter[str] = collections.Counter()
@@ -74,18 +83,21 @@ class EmbeddingReceiver(TransferEndpoint):
     def add_room(self, room: int, sender_endpoint: str, deadline: float | None = None) -> None:
         """Start pulling ``room`` from the sender at ``sender_endpoint``; ``deadline``
         (``time.monotonic()`` clock) is the request's own: the room fails once it passes."""
+        if not messages.valid_endpoint(sender_endpoint):
+            raise ValueError(f"sender_endpoint {sender_endpoint[:80]!r} is not tcp://HOST:PORT")
+        if deadline is not None and math.isnan(deadline):
+            raise ValueError("deadline must be a time.monotonic() value, got nan")
         with self._lock:
             if room in self._rooms or room in self._finished:
                 raise ValueError(f"room {room} already added")
-            now = time.monotonic()
-            state = ReceiverRoom(
-                room, sender_endpoint, deadline=now + self.config.bootstrap_timeout_s
-            )
+            state = ReceiverRoom(room, sender_endpoint)
             if deadline is not None:
                 state.request_deadline = deadline
+            state.deadline = self._waiting_bound(state, time.monotonic())
             self._rooms[room] = state
             self._new_queue.append(room)
             self._schedule()
+        self._wake()
 
     def poll(self, room: int) -> RoomState:
         """The room's state; KeyError for a room never added (or aborted)."""
@@ -115,13 +127,15 @@ class EmbeddingReceiver(TransferEndpoint):
             allocation = self._lent.pop(room, None)
             if allocation is not None:
                 self._free(allocation)
+        self._wake()
 
     def abort(self, room: int) -> None:
         """Drop ``room`` whatever its state; blocks a write may still hit stay quarantined."""
         with self._lock:
             state = self._rooms.get(room)
             if state is not None:
-                self._fail(state, "aborted: by the receiver", report=False)
+                kind = FailureKind.ABORTED
+                self._fail(state, kind, kind.reason("by the receiver"), report=False)
             self._done = [d for d in self._done if d[0] != room]
             self._finished.pop(room, None)
             self.release(room)
@@ -129,9 +143,9 @@ class EmbeddingReceiver(TransferEndpoint):
     def stats(self) -> dict:
         with self._lock:
             return {
-                **self._common_stats(),
+                **self._common_stats(self._finished.values()),
                 "num_quarantined_blocks": sum(
-                    len(a.block_ids) for q in self._quarantine.values() for a, _ in q
+                    len(a.block_ids) for _, q in self._quarantine.values() for a, _ in q
                 ),
                 "num_lent_blocks": self._num_lent_blocks(),
                 "num_lent_rooms": len(self._lent),
@@ -146,8 +160,9 @@ class EmbeddingReceiver(TransferEndpoint):
 
     def close(self) -> None:
         with self._lock:
+            kind = FailureKind.CLOSED
             for state in list(self._rooms.values()):
-                self._fail(state, "closed: receiver shut down", report=False)
+                self._fail(state, kind, kind.reason("receiver shut down"), report=False)
             for room in list(self._lent):
                 self.release(room)
         self._close_endpoint()
@@ -188,22 +203,32 @@ class EmbeddingReceiver(TransferEndpoint):
         msg.init.sent_tokens = sent
         msg.init.dest_token_offset = in_place
         state.awaiting_write = state.init_sent = True
+        self.peers.watch(state.sender_endpoint, now)
         if state.state == RoomState.BOOTSTRAPPING:
             state.move(RoomState.WAITING_FOR_INPUT)
             state.deadline = now + self.config.bootstrap_timeout_s + self.config.transfer_timeout_s
         else:
             state.deadline = now + self.config.transfer_timeout_s + self.config.heartbeat_timeout_s
-        self.peers.watch(state.sender_endpoint, now)
         self._send(state.sender_endpoint, msg)
+
+    def _waiting_bound(self, state: ReceiverRoom, now: float) -> float:
+        """Waiting for our own blocks is queueing, not a peer's liveness: the request's
+        deadline bounds it, or ``waiting_timeout_s`` for a request without one."""
+        if math.isfinite(state.request_deadline):
+            return math.inf
+        return now + self.config.waiting_timeout_s
 
     def _schedule(self) -> None:
         """Hand free blocks out: continuations first (what is free), then new rooms (default)."""
+        most = MAX_INIT_BLOCKS * self.layout.block_size
         while self._cont_queue:
             state = self._rooms.get(self._cont_queue[0])
             if state is None or state.state.is_final:
                 self._cont_queue.popleft()
                 continue
-            allocation = self.allocator.alloc_up_to(state.aux.total_tokens - state.received)
+            allocation = self.allocator.alloc_up_to(
+                min(state.aux.total_tokens - state.received, most)
+            )
             if allocation is None:
                 return
             self._cont_queue.popleft()
@@ -219,32 +244,18 @@ class EmbeddingReceiver(TransferEndpoint):
             self._new_queue.popleft()
             self._send_init(state, allocation)
 
-    def _num_lent_blocks(self) -> int:
-        return sum(len(a.block_ids) for a in self._lent.values())
-
-    def _may_lend(self, total_tokens: int) -> bool:
-        """Whether a room of ``total_tokens`` may keep its blocks as its delivered rows: lent
-        blocks stay within ``max_lent_fraction`` of the buffer and always leave room for one
-        new room's default allocation, so lending never stalls new rooms for long."""
-        num_blocks = self.layout.num_blocks
-        num_lent = self._num_lent_blocks() + self.allocator.blocks_for(total_tokens)
-        return (
-            num_lent <= self.config.max_lent_fraction * num_blocks
-            and num_blocks - num_lent >= self.config.default_blocks
-        )
-
     def _free(self, allocation: Allocation) -> None:
         self.allocator.free(allocation)
         self._schedule()
 
     def _release(self, state: ReceiverRoom) -> None:
-        """Give up the room's blocks: free, or quarantine while a write may still land."""
         allocation, state.allocation = state.allocation, None
         if allocation is None:
             return
         if state.awaiting_write:
             deadline = time.monotonic() + self.config.quarantine_s
-            self._quarantine.setdefault(state.room, []).append((allocation, deadline))
+            held = self._quarantine.setdefault(state.room, (state.sender_endpoint, []))
+            held[1].append((allocation, deadline))
         else:
             self._free(allocation)
 
@@ -259,183 +270,88 @@ class EmbeddingReceiver(TransferEndpoint):
             if self.on_done is not None:
                 self.on_done()
 
-    def _fail(self, state: ReceiverRoom, reason: str, report: bool = True) -> None:
+    def _fail(
+        self, state: ReceiverRoom, kind: FailureKind, reason: str, report: bool = True
+    ) -> None:
         if state.state.is_final:
             return
         state.move(RoomState.FAILED)
-        self._failed_by_reason[reason.split(":")[0]] += 1
+        state.kind = kind
+        self._failed_by_reason[kind.label] += 1
         if state.init_sent:
             msg = self._envelope()
             msg.abort.room = state.room
             msg.abort.reason = reason
+            msg.abort.kind = int(kind)
             self._send(state.sender_endpoint, msg)
         self._release(state)
-        self._end(state, TransferError(state.room, reason) if report else None)
+        self._end(state, TransferError(state.room, reason, kind) if report else None)
 
     # ---- control loop -----------------------------------------------------------------------
 
     def _on_message(self, env: transfer_pb2.TransferEnvelope) -> None:
         kind = env.WhichOneof("body")
         if kind == "status":
-            state = self._rooms.get(env.status.room)
-            if state is not None:
-                state.sender_minor = env.minor_version
-            self._on_status(env.status)
+            self._on_status(env)
         elif kind != "heartbeat":
             self.counters["unexpected_message"] += 1
 
-    def _on_status(self, status: transfer_pb2.TransferStatus) -> None:
-        state = self._rooms.get(status.room)
-        if status.room in self._quarantine and not status.write_in_flight:
-            for allocation, _ in self._quarantine.pop(status.room):
-                self._free(allocation)  # the sender says nothing is in flight any more
-            if state is None:
-                return
-        if state is None:
-            self.counters["unknown_room"] += 1
-            return
-        rstate = RoomState(status.state) if status.state <= RoomState.FAILED else None
-        if rstate == RoomState.FAILED:
-            state.awaiting_write = status.write_in_flight
-            state.init_sent = False  # the sender already dropped the room
-            self._fail(state, status.error or "sender_failed")
-            return
-        if not state.first_data_at and rstate in (RoomState.TRANSFERRING, RoomState.SUCCESS):
-            # the announcement (rooms that continue), or the first chunk minus its write time
-            state.first_data_at = time.monotonic() - max(0.0, status.write_s)
-        if rstate == RoomState.TRANSFERRING and status.num_tokens == 0:
-            self._on_announcement(state, status)
-            return
-        if rstate not in (RoomState.TRANSFERRING, RoomState.SUCCESS) or not state.awaiting_write:
-            self.counters["unexpected_status"] += 1
-            return
-        state.awaiting_write = False  # the write has returned on the sender
-        self._absorb_chunk(state, status, rstate)
-
-    def _absorb_chunk(
-        self, state: ReceiverRoom, status: transfer_pb2.TransferStatus, rstate: RoomState
-    ) -> None:
-        assert state.allocation is not None
-        try:
-            first_block = state.num_tokens_in_place // self.layout.block_size  # see chunks.py
-            record = self.buffers.aux_bytes(state.allocation.block_ids[first_block])
-            room, aux, chunk = aux_record.unpack(record)
-            problem = state.check_chunk(room, aux, chunk, status.num_tokens)
-            allocated = state.allocation.num_tokens - state.num_tokens_in_place
-            if not problem and chunk.num_tokens > allocated:
-                problem = "aux_mismatch: chunk larger than the allocation"
-            if not problem and aux.total_tokens != status.total_tokens:
-                problem = "aux_mismatch: total_tokens differs from the status"
-        except ValueError as exc:
-            problem = f"aux_mismatch: {exc}"
-        if problem:
-            self._fail(state, problem)
-            return
-        state.land(aux, chunk)
-        self.num_transfers += 1
-        self.bytes_received += chunk.num_tokens * 16 + chunk.num_image_rows * self.layout.row_bytes
-        done = state.received == aux.total_tokens
-        if done != (rstate == RoomState.SUCCESS):
-            self._fail(state, f"aux_mismatch: status {rstate.name} at {state.received} tokens")
-            return
-        if done:
-            self._deliver(state)
-            return
-        if state.continuation_at:  # asked for at the announcement: its write may be landing
-            if state.received != state.continuation_at:
-                self._fail(
-                    state,
-                    f"aux_mismatch: chunk ended at {state.received}, expected "
-                    f"{state.continuation_at}",
-                )
-                return
-            state.continuation_at = 0
-            state.awaiting_write = True
-            state.move(RoomState.TRANSFERRING)
-            return
-        grown = self._extend(state)
-        if grown is not None:  # the rest lands behind what arrived: nothing is copied
-            state.move(RoomState.TRANSFERRING)
-            self._send_init(state, grown)
-            return
-        state.copy_out(self.buffers)
-        self._release(state)
-        state.move(RoomState.TRANSFERRING)
-        state.deadline = time.monotonic() + self.config.waiting_timeout_s
-        self._cont_queue.append(state.room)
-        self._schedule()
-
-    def _on_announcement(self, state: ReceiverRoom, status: transfer_pb2.TransferStatus) -> None:
-        """The sender starts the first chunk of a room that will continue. If the room can
-        stay in its blocks, extend them now and ask for the rest at once, so the sender goes on
-        as soon as the first chunk is written; else assemble the request's memory meanwhile."""
-        total = status.total_tokens
-        if state.aux is not None or not 0 <= status.num_image_rows <= total:
-            return
-        if state.allocation is None or not state.awaiting_write or state.received:
-            return
-        first = state.allocation.num_tokens  # what the first chunk carries: total exceeds it
-        grown = None
-        if total > first and self._can_hold(state, total):
-            grown = self.allocator.extend(state.allocation, total)
-        if grown is None:
-            state.prepare(total, status.num_image_rows, self.layout)
-            return
-        state.continuation_at = first
-        self.counters["continuation_ahead"] += 1
-        self._send_init(state, grown, sent_tokens=first)
-
-    def _deliver(self, state: ReceiverRoom) -> None:
-        """The whole room arrived: lend its blocks (keeping only those the rows sit in) or copy
-        it out and free them; then report SUCCESS."""
-        assert state.aux is not None and state.allocation is not None
-        in_place = state.holds_whole_prefix and self._may_lend(state.aux.total_tokens)
-        if in_place and state.lend_in_place(self.buffers):
-            kept = self.allocator.shrink(state.allocation, state.received)
-            self._lent[state.room], state.allocation = kept, None
-            self.num_rooms_lent += 1
-            self._schedule()
-        else:
-            state.copy_out(self.buffers)
-            self._release(state)
-        state.move(RoomState.SUCCESS)
-        if self.on_room_done is not None:
-            self.on_room_done(state.num_transfers)
-        self._end(state, state.result())
-
-    def _extend(self, state: ReceiverRoom) -> Allocation | None:
-        """Grow the room's blocks to hold the whole request, if it may be lent when done and
-        the sender can write behind what arrived; None to fall back to copy-and-continue."""
-        assert state.aux is not None and state.allocation is not None
-        if not self._can_hold(state, state.aux.total_tokens):
-            return None
-        return self.allocator.extend(state.allocation, state.aux.total_tokens)
-
-    def _can_hold(self, state: ReceiverRoom, total_tokens: int) -> bool:
-        return (
-            state.holds_whole_prefix
-            and state.sender_minor >= messages.MINOR_DEST_OFFSETS
-            and self._may_lend(total_tokens)
-        )
+    def _on_peer_restarted(self, endpoint: str, old_incarnation: int) -> None:
+        kind = FailureKind.PEER_RESTARTED
+        for state in list(self._rooms.values()):
+            bound = (state.sender_endpoint, state.sender_incarnation)
+            if state.init_sent and bound == (endpoint, old_incarnation):
+                state.init_sent = False  # the new process never heard of the room
+                self._fail(state, kind, kind.reason(f"sender {endpoint} restarted"))
 
     def _on_tick(self, now: float) -> None:
-        for room, entries in list(self._quarantine.items()):
+        for room, (sender, entries) in list(self._quarantine.items()):
             keep = [(a, d) for a, d in entries if d > now]
             for allocation, deadline in entries:
                 if deadline <= now:
                     self._free(allocation)
             if keep:
-                self._quarantine[room] = keep
+                self._quarantine[room] = (sender, keep)
             else:
                 del self._quarantine[room]
         for state in list(self._rooms.values()):
-            if now > state.request_deadline:
-                self._fail(state, f"deadline: request deadline passed in {state.state.name}")
-            elif now > state.deadline:
-                self._fail(state, f"timeout: in {state.state.name}")
-        active = {s.sender_endpoint for s in self._rooms.values() if s.init_sent}
+            if now >= state.request_deadline:
+                kind = FailureKind.DEADLINE
+                self._fail(
+                    state, kind, kind.reason(f"request deadline passed in {state.state.name}")
+                )
+            elif now >= state.deadline:
+                kind = FailureKind.TIMEOUT
+                self._fail(state, kind, kind.reason(_timeout_detail(state)))
+        active = self._active_peers()
         for ep in self.peers.silent(active, now):
+            kind = FailureKind.SENDER_DEAD
             for state in list(self._rooms.values()):
                 if state.sender_endpoint == ep and state.init_sent:
-                    self._fail(state, f"sender_dead: {ep} silent")
-        self._send_heartbeats(active, now)
+                    self._fail(state, kind, kind.reason(f"{ep} silent"))
+        self._send_heartbeats(self._active_peers(), now)
+
+    def _active_peers(self) -> set[str]:
+        return {s.sender_endpoint for s in self._rooms.values() if s.init_sent}
+
+    def _next_due(self) -> float | None:
+        times = [min(s.deadline, s.request_deadline) for s in self._rooms.values()]
+        times.extend(d for _, entries in self._quarantine.values() for _, d in entries)
+        peer_due = self.peers.next_due(self._active_peers())
+        if peer_due is not None:
+            times.append(peer_due)
+        due = min(times, default=math.inf)
+        return due if math.isfinite(due) else None
+
+
+def _timeout_detail(state: ReceiverRoom) -> str:
+    where = f"in {state.state.name}: "
+    if state.state == RoomState.BOOTSTRAPPING:
+        return where + "no free blocks"
+    if state.state == RoomState.WAITING_FOR_INPUT:
+        if state.acked:
+            return where + "the sender held the init past the time it gave"
+        return where + "the sender did not answer the init"
+    if state.awaiting_write:
+        return where + "the chunk did not land"
+    return where + "no free blocks for the continuation"

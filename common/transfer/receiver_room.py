@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from .allocator import Allocation
 from .aux_record import ChunkInfo
 from .buffers import DataBuffers
 from .layout import BufferLayout
-from .types import AuxInfo, ReceivedEmbeddings, RoomState, advance
+from .types import AuxInfo, FailureKind, ReceivedEmbeddings, RoomState, advance
 
 
 @dataclass
@@ -20,11 +21,14 @@ class ReceiverRoom:
     room: int
     sender_endpoint: str
     state: RoomState = RoomState.BOOTSTRAPPING
-    deadline: float = 0.0  # the current state's timeout (monotonic)
-    request_deadline: float = float("inf")  # the request's own deadline (monotonic)
+    deadline: float = math.inf  # the current state's timeout (monotonic)
+    request_deadline: float = math.inf  # the request's own deadline (monotonic)
     allocation: Allocation | None = None
     awaiting_write: bool = False  # an init is out: a write into `allocation` may land
     init_sent: bool = False  # the sender knows this room (abort it when we give up)
+    acked: bool = False  # the sender holds our first init for the data ("still encoding")
+    sender_incarnation: int = 0  # the sender process that answered for the room (0: none yet)
+    kind: FailureKind = FailureKind.UNSPECIFIED
     received: int = 0  # == sent_tokens of the next init
     num_image_rows_received: int = 0
     # `allocation` holds tokens [held_start, received) at token slots 0.. and image rows
@@ -45,28 +49,29 @@ class ReceiverRoom:
         self.state = advance(self.state, state)
 
     def check_chunk(self, room: int, aux: AuxInfo, chunk: ChunkInfo, status_tokens: int) -> str:
-        """Why the aux record read from our buffer does not fit this room ("" when it does)."""
+        """Why the aux record read from our buffer does not fit this room ("" when it does);
+        the caller fails the room with ``AUX_MISMATCH`` and this detail."""
         capacity = len(self.allocation.block_ids) if self.allocation else 0
         if room != self.room:
-            return f"aux_mismatch: record is for room {room}"
+            return f"record is for room {room}"
         if self.aux is not None and (aux.total_tokens, aux.num_image_rows) != (
             self.aux.total_tokens,
             self.aux.num_image_rows,
         ):
-            return "aux_mismatch: request metadata changed between chunks"
+            return "request metadata changed between chunks"
         if chunk.chunk_start != self.received or chunk.num_tokens != status_tokens:
             return (
-                f"aux_mismatch: chunk [{chunk.chunk_start}, +{chunk.num_tokens}) vs expected "
+                f"chunk [{chunk.chunk_start}, +{chunk.num_tokens}) vs expected "
                 f"[{self.received}, +{status_tokens})"
             )
         if chunk.num_tokens <= 0 or chunk.chunk_start + chunk.num_tokens > aux.total_tokens:
-            return "aux_mismatch: chunk outside the request"
+            return "chunk outside the request"
         if chunk.first_image_row != self.num_image_rows_received:
-            return "aux_mismatch: image rows out of order"
+            return "image rows out of order"
         if chunk.num_image_rows > chunk.num_tokens or capacity == 0:
-            return "aux_mismatch: chunk does not fit the allocation"
+            return "chunk does not fit the allocation"
         if chunk.first_image_row + chunk.num_image_rows > aux.num_image_rows:
-            return "aux_mismatch: more image rows than announced"
+            return "more image rows than announced"
         return ""
 
     def prepare(self, total_tokens: int, num_image_rows: int, layout: BufferLayout) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
+import stat
 import uuid
 from dataclasses import dataclass, field
 
@@ -45,11 +47,18 @@ class Region:
             self.shm_name = ""
 
 
+SHM_PREFIX = "epd-transfer-"
+_SHM_NAME = re.compile(r"epd-transfer-[0-9]{1,10}-[0-9a-f]{12}-(rows|fill_ids|positions|aux)")
+
+
 def shm_name(tag: str) -> str:
     return f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}-{tag}"
 
 
-SHM_PREFIX = "epd-transfer-"
+def valid_shm_name(name: str, tag: str | None = None) -> bool:
+    """Whether ``name`` is one ``shm_name`` makes (for the field ``tag``, when given)."""
+    match = _SHM_NAME.fullmatch(name)
+    return match is not None and (tag is None or match.group(1) == tag)
 
 
 def sweep_stale_regions() -> list[str]:
@@ -120,13 +129,20 @@ def _reserve_shm(fd: int, nbytes: int, tag: str) -> None:
 
 
 def map_peer_region(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
-    """Map a peer's shm region; returns the mapping and its address in this process."""
-    if "/" in name or not name.startswith(SHM_PREFIX):
-        raise ValueError(f"not a transfer shm region: {name!r}")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    """Map a peer's shm region; returns the mapping and its address in this process.
+
+    ValueError unless ``name`` is a region name (no other file under /dev/shm, no path, no
+    symbolic link) of a regular file of exactly ``nbytes`` bytes.
+    """
+    if not valid_shm_name(name):
+        raise ValueError(f"not a transfer shm region: {name[:80]!r}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
     try:
-        if os.fstat(fd).st_size < nbytes:
-            raise ValueError(f"shm region {name} is smaller than advertised")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
+            raise ValueError(
+                f"shm region {name} is {info.st_size} bytes, the init advertises {nbytes}"
+            )
         mapped = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)

@@ -1,7 +1,14 @@
-"""Book-keeping of one room on the sender (encoder) side."""
+"""Book-keeping of one room on the sender (encoder) side.
+
+A room is created by whichever comes first: the encoder's ``expect`` (announcing the request's
+deadline), its ``submit`` (the data) or the receiver's init. ``deadline`` bounds the current
+state (see the table in docs/protocol.md); ``request_deadline`` bounds every state of an
+announced room.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,37 +16,47 @@ import numpy as np
 from protos.epd.v1 import transfer_pb2
 
 from .allocator import Allocation
-from .types import AuxInfo, RoomState, advance
+from .types import AuxInfo, FailureKind, RoomState, advance
 
 
 @dataclass
 class SenderRoom:
     room: int
     state: RoomState = RoomState.BOOTSTRAPPING
-    deadline: float = 0.0  # timeout of the current state (monotonic seconds)
+    deadline: float = math.inf  # timeout of the current state (monotonic seconds)
+    request_deadline: float = math.inf  # from expect(): data or failure comes before it
     allocation: Allocation | None = None  # our blocks holding the request (after submit)
     aux: AuxInfo | None = None
     row_prefix: np.ndarray | None = None  # image rows before each token, length total + 1
     init: transfer_pb2.TransferInit | None = None  # an init not yet served
     receiver_endpoint: str = ""
+    receiver_incarnation: int = 0  # of the receiver process that sent the first init
     sent_tokens: int = 0
     num_transfers: int = 0
-    writing: bool = False  # a write job owns the room; blocks are freed when it returns
+    writing: bool = False  # a write job owns the room (queued or running)
+    write_started: bool = False  # the job left the queue: the transport may read our blocks
     ack_pending: bool = False  # tell the receiver once the in-flight write has returned
     reason: str = ""
+    kind: FailureKind = FailureKind.UNSPECIFIED
 
     @property
     def has_data(self) -> bool:
         return self.allocation is not None
 
+    @property
+    def expected(self) -> bool:
+        """The encoder announced the room's deadline (``EmbeddingSender.expect``)."""
+        return math.isfinite(self.request_deadline)
+
     def move(self, state: RoomState) -> None:
         self.state = advance(self.state, state)
 
-    def fail(self, reason: str) -> bool:
+    def fail(self, kind: FailureKind, reason: str) -> bool:
         """Mark FAILED; False when the room already ended."""
         if self.state.is_final:
             return False
         self.state = RoomState.FAILED
+        self.kind = kind
         self.reason = reason
         return True
 

@@ -1,7 +1,10 @@
 """Same-host transport: the sender maps the receiver's /dev/shm region files and memcpy's.
 
 The session string lists the receiver's regions as ``name@base+nbytes`` joined by ``;``; a
-destination address is translated to the matching mapping in this process.
+destination address is translated to the matching mapping in this process. Only files named like
+receive regions, regular and of exactly the advertised size, are ever mapped
+(``regions.map_peer_region``), a mapping is never used with another size, and every segment must
+fall inside one region: anything else is a ``BadDestinationError`` with nothing written.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Sequence
 
 from .regions import SHM_DIR, Region, map_peer_region
 from .transport import BaseTransport
-from .types import TransferWriteError
+from .types import BadDestinationError, TransferWriteError
 
 
 class ShmTransport(BaseTransport):
@@ -42,9 +45,12 @@ class ShmTransport(BaseTransport):
             for item in session.split(";"):
                 name, _, rest = item.partition("@")
                 base, _, nbytes = rest.partition("+")
+                size = int(nbytes)
                 if name not in self._maps:
-                    self._maps[name] = map_peer_region(name, int(nbytes))
-                table.append((int(base), int(nbytes), self._maps[name][1]))
+                    self._maps[name] = map_peer_region(name, size)
+                elif len(self._maps[name][0]) != size:  # never trust a size over the mapping
+                    raise ValueError(f"shm region {name} is mapped with another size")
+                table.append((int(base), size, self._maps[name][1]))
             self._sessions[session] = table
             return table
 
@@ -54,7 +60,7 @@ class ShmTransport(BaseTransport):
         try:
             table = self._resolve(session)
         except (OSError, ValueError) as exc:
-            raise TransferWriteError(f"cannot map shm session: {exc}") from exc
+            raise BadDestinationError(f"cannot map the receiver's shm regions: {exc}") from exc
         with self._lock:  # mappings are only released under the lock
             if self._sessions.get(session) is not table:
                 raise TransferWriteError("shm session released during the write")
@@ -64,7 +70,7 @@ class ShmTransport(BaseTransport):
                         ctypes.memmove(local + (dst - base), src, length)
                         break
                 else:
-                    raise TransferWriteError(f"destination {dst:#x}+{length} outside regions")
+                    raise BadDestinationError(f"destination {dst:#x}+{length} outside regions")
 
     def release_missing(self) -> None:
         """Unmap regions whose files are gone (the receiver closed); their memory is freed."""

@@ -41,6 +41,50 @@ def advance(current: RoomState, new: RoomState) -> RoomState:
     return current
 
 
+class FailureKind(IntEnum):
+    """Why a room failed; mirrors ``TransferErrorKind`` in ``transfer.proto`` number for number.
+
+    A failure's text starts with the kind's ``label`` (``"deadline: request deadline passed"``),
+    so logs read the same; code reads the kind.
+    """
+
+    UNSPECIFIED = 0
+    BOOTSTRAP_TIMEOUT = 1
+    WAITING_TIMEOUT = 2
+    TRANSFER_TIMEOUT = 3
+    TIMEOUT = 4
+    DEADLINE = 5
+    SENDER_DEAD = 6
+    RECEIVER_DEAD = 7
+    PEER_RESTARTED = 8
+    ABORTED = 9
+    ENCODE_FAILED = 10
+    LAYOUT_MISMATCH = 11
+    BAD_INIT = 12
+    NO_TRANSPORT = 13
+    WRITE_FAILED = 14
+    AUX_MISMATCH = 15
+    INTERNAL = 16
+    CLOSED = 17
+    TOO_LARGE = 18
+
+    @property
+    def label(self) -> str:
+        """The kind's name in ``failed_by_reason`` and at the head of the failure text."""
+        return "sender_failed" if self is FailureKind.UNSPECIFIED else self.name.lower()
+
+    def reason(self, detail: str) -> str:
+        return f"{self.label}: {detail}"
+
+    @classmethod
+    def from_wire(cls, value: int) -> FailureKind:
+        """A kind from a peer; numbers this version does not know read as UNSPECIFIED."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.UNSPECIFIED
+
+
 @dataclass(frozen=True)
 class AuxInfo:
     """Request metadata that travels in the aux record besides the chunk bookkeeping."""
@@ -82,13 +126,18 @@ class ReceivedEmbeddings:
 
 
 class TransferError(Exception):
-    """A room that ended in FAILED, with the reason."""
+    """A room that ended in FAILED: ``kind`` says why, ``reason`` in words (``kind.label: ...``)."""
 
-    def __init__(self, room: int, reason: str) -> None:
+    def __init__(self, room: int, reason: str, kind: FailureKind = FailureKind.UNSPECIFIED) -> None:
         super().__init__(f"room {room}: {reason}")
         self.room = room
         self.reason = reason
+        self.kind = kind
 
 
 class TransferWriteError(RuntimeError):
     """A transport write returned an error (e.g. a non-zero Mooncake status)."""
+
+
+class BadDestinationError(TransferWriteError):
+    """The destination an init names is not one the transport may write (nothing written)."""

@@ -62,19 +62,27 @@ def sender() -> Iterator[Peer]:
     peer.close()
 
 
-@pytest.fixture
-def make_receiver() -> Iterator[Callable[..., EmbeddingReceiver]]:
+@pytest.fixture(scope="session")
+def _open_receivers() -> Iterator[list[EmbeddingReceiver]]:
+    """Receivers stay open until the session ends. NOTE: Mooncake picks each engine's RPC port
+    at random in 15000..17000 and a sender caches what it learnt about a session for good; a
+    new receiver on the port of a closed one would get writes aimed at the closed one's data
+    port. Holding the ports (an idle receiver costs two threads and never wakes) avoids that."""
     made: list[EmbeddingReceiver] = []
+    yield made
+    for receiver in made:
+        receiver.close()
 
+
+@pytest.fixture
+def make_receiver(_open_receivers) -> Iterator[Callable[..., EmbeddingReceiver]]:
     def build(hidden: int = HIDDEN, **overrides) -> EmbeddingReceiver:
         config = make_config(**{"num_blocks": 32, **overrides})
         receiver = EmbeddingReceiver(config, layout_of(config, hidden))
-        made.append(receiver)
+        _open_receivers.append(receiver)
         return receiver
 
     yield build
-    for receiver in made:
-        receiver.close()
 
 
 def assert_no_leaks(sender: Peer, *receivers: EmbeddingReceiver, timeout_s: float = 10.0) -> None:

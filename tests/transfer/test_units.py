@@ -10,18 +10,13 @@ from common.transfer import aux_record, messages
 from common.transfer.addressing import pair_runs, slot_runs
 from common.transfer.aux_record import AUX_RECORD_BYTES
 from common.transfer.buffers import DataBuffers
-from common.transfer.chunks import (
-    build_segments,
-    check_init,
-    dest_row_offset,
-    layout_fields,
-    plan_chunk,
-)
+from common.transfer.chunks import build_segments, dest_row_offset, layout_fields, plan_chunk
 from common.transfer.config import TransferConfig
+from common.transfer.destinations import check_init, region_sizes
 from common.transfer.layout import BufferLayout
-from common.transfer.peers import PeerTracker
+from common.transfer.liveness import PeerTracker
 from common.transfer.sender_room import image_row_prefix
-from common.transfer.types import AuxInfo, RoomState, advance
+from common.transfer.types import AuxInfo, FailureKind, RoomState, advance
 from protos.epd.v1 import transfer_pb2
 
 
@@ -131,9 +126,11 @@ def _init_for(layout, block_ids, sent_tokens, in_place, allocated) -> transfer_p
         sent_tokens=sent_tokens,
         dest_token_offset=in_place,
     )
-    slots = layout.num_blocks * layout.block_size
-    init.rows.nbytes, init.fill_ids.nbytes = slots * layout.row_bytes, slots * 4
-    init.rows.base, init.fill_ids.base, init.positions.base, init.aux.base = 1 << 20, 0, 0, 0
+    base = 1 << 20
+    for name, nbytes in region_sizes(init).items():  # rows at 1 MiB, the others behind
+        region = getattr(init, name)
+        region.base, region.nbytes = base, nbytes
+        base += nbytes
     return init
 
 
@@ -145,7 +142,7 @@ def test_continuation_lands_behind_the_tokens_in_place() -> None:
         prefix = image_row_prefix(mask)
         # tokens 0..3 (3 rows) sit in blocks 5 and 6's front; the rest goes behind them
         init = _init_for(layout, [5, 6, 2], sent_tokens=4, in_place=4, allocated=6)
-        assert check_init(init, layout) == ""
+        assert check_init(init, layout) is None
         assert dest_row_offset(prefix, init) == 3
         chunk = plan_chunk(prefix, 4, init.num_tokens_allocated)
         assert (chunk.num_tokens, chunk.first_image_row, chunk.num_image_rows) == (6, 3, 5)
@@ -154,12 +151,12 @@ def test_continuation_lands_behind_the_tokens_in_place() -> None:
         # rows 3..7 of the sender (slots 3, 4..7 of blocks 0, 1) -> row slots 3..7 of (5, 6)
         assert segments.dst_addrs[0] == (1 << 20) + (5 * 4 + 3) * row_bytes
         # the aux record goes to the block holding the chunk's first token: block 6, not 5
-        assert segments.dst_addrs[-1] == 6 * AUX_RECORD_BYTES
+        assert segments.dst_addrs[-1] == init.aux.base + 6 * AUX_RECORD_BYTES
         assert sum(segments.lengths[:-1]) == 5 * row_bytes + 6 * 16
         too_far = _init_for(layout, [5, 6, 2], sent_tokens=4, in_place=5, allocated=6)
-        assert check_init(too_far, layout).startswith("bad_init")  # more in place than sent
+        assert check_init(too_far, layout)[0] == FailureKind.BAD_INIT  # more in place than sent
         too_big = _init_for(layout, [5, 6, 2], sent_tokens=4, in_place=4, allocated=9)
-        assert check_init(too_big, layout).startswith("bad_init")  # past the last block
+        assert check_init(too_big, layout)[0] == FailureKind.BAD_INIT  # past the last block
     finally:
         buffers.close()
 
@@ -196,3 +193,19 @@ def test_token_fields_round_trip_through_scattered_blocks() -> None:
         assert empty_fill.shape == (0,) and empty_pos.shape == (3, 0)
     finally:
         buffers.close()
+
+
+def test_peer_restarts_strangers_and_the_next_due_time() -> None:
+    peers = PeerTracker(interval_s=1.0, timeout_s=5.0)
+    peers.touch("stranger", now=1.0, incarnation=7)  # not watched: nothing is recorded
+    assert len(peers) == 0 and peers.next_due({"stranger"}) is None
+    peers.watch("a", now=10.0, incarnation=7)
+    assert peers.next_due({"a"}) == 11.0  # the first heartbeat, before the silence check
+    assert peers.touch("a", now=10.5, incarnation=7) == 0
+    assert peers.touch("a", now=10.6, incarnation=0) == 0  # an older peer does not say
+    assert peers.touch("a", now=10.7, incarnation=9) == 7  # restarted: its old life is 7
+    assert peers.touch("a", now=10.8, incarnation=9) == 0
+    peers.due_heartbeats({"a"}, now=11.0)
+    assert peers.next_due({"a"}) == 12.0
+    peers.forget_idle(set())
+    assert len(peers) == 0

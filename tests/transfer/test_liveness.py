@@ -1,0 +1,189 @@
+"""Timeouts measure liveness and the request's deadline, not how long the encoder works.
+
+Real processes (the sender is spawned), real Mooncake over tcp, short timeouts: a room the
+encoder announced (``expect``) waits for data that comes long after ``bootstrap_timeout_s``; an
+unannounced one still times out; a killed sender is noticed through its missing heartbeats; a
+restarted one through its new incarnation; the request's deadline ends a room on both sides.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common.transfer.peer import Peer
+from common.transfer.synthetic import make_request, matches
+from common.transfer.types import FailureKind, ReceivedEmbeddings, RoomState, TransferError
+
+from .conftest import assert_no_leaks, layout_of, make_config, new_room, wait_for
+from .helpers import collect, sender_state, spec
+
+SHORT = dict(
+    bootstrap_timeout_s=1.0,
+    waiting_timeout_s=1.0,
+    transfer_timeout_s=1.0,
+    heartbeat_interval_s=0.2,
+    heartbeat_timeout_s=1.0,
+)
+ENCODE_S = 4 * SHORT["bootstrap_timeout_s"]  # how long the "encoder" works on a slow image
+
+
+@pytest.fixture(scope="module")
+def short_sender():
+    config = make_config(num_blocks=64, **SHORT)
+    peer = Peer("sender", config, layout_of(config))
+    yield peer
+    peer.close()
+
+
+def _acks(receiver) -> int:
+    return receiver.stats()["messages"].get("acknowledged_inits", 0)
+
+
+@pytest.mark.parametrize("order", ["expect-init-data", "init-expect-data", "expect-data-init"])
+def test_announced_room_waits_for_slow_data(short_sender, make_receiver, order: str) -> None:
+    sender, receiver = short_sender, make_receiver(**SHORT)
+    s = spec(new_room(), 1500)
+    deadline = time.monotonic() + 60.0
+    steps = {
+        "expect": lambda: sender.ask("call", "expect", s.seed, deadline),
+        "init": lambda: receiver.add_room(s.seed, sender.endpoint, deadline),
+        "data": lambda: sender.ask("submit", s),
+    }
+    first, second, last = order.split("-")
+    steps[first]()
+    if first == "init":  # the init beats the encoder's expect(): held bootstrap_timeout_s
+        assert wait_for(lambda: sender_state(sender, s.seed) == RoomState.WAITING_FOR_INPUT)
+    steps[second]()
+    if last == "data":  # acknowledged again when expect() moves the bound to the deadline
+        assert wait_for(lambda: _acks(receiver) == (2 if first == "init" else 1))
+    time.sleep(ENCODE_S)  # the ViT takes its time; only heartbeats flow meanwhile
+    waiting = RoomState.WAITING_FOR_INPUT if last == "data" else RoomState.BOOTSTRAPPING
+    assert sender_state(sender, s.seed) == waiting
+    if last == "data":
+        assert receiver.poll(s.seed) == RoomState.WAITING_FOR_INPUT
+    steps[last]()
+    got = collect(receiver, {s.seed})[s.seed]
+    assert isinstance(got, ReceivedEmbeddings), got
+    assert matches(got, make_request(s, receiver.layout))
+    receiver.release(s.seed)
+    assert sender.ask("call", "stats")["failed_by_reason"] == {}
+    assert_no_leaks(sender, receiver)
+
+
+def test_unannounced_init_still_times_out(short_sender, make_receiver) -> None:
+    sender, receiver = short_sender, make_receiver(**SHORT)
+    room = new_room()
+    start = time.monotonic()
+    receiver.add_room(room, sender.endpoint)  # no expect(): a gateway that died midway
+    got = collect(receiver, {room}, timeout_s=10.0)[room]
+    elapsed = time.monotonic() - start
+    assert isinstance(got, TransferError) and got.kind == FailureKind.BOOTSTRAP_TIMEOUT, got
+    assert got.reason.startswith("bootstrap_timeout: ")
+    assert SHORT["bootstrap_timeout_s"] <= elapsed < 4 * SHORT["bootstrap_timeout_s"]
+    assert sender_state(sender, room) == RoomState.FAILED
+    assert_no_leaks(sender, receiver)
+
+
+def test_unannounced_data_still_times_out(short_sender) -> None:
+    s = spec(new_room(), 700)
+    assert short_sender.ask("submit", s)  # no init will ever come
+    assert short_sender.ask("call", "stats")["num_used_blocks"] > 0
+    assert wait_for(lambda: sender_state(short_sender, s.seed) == RoomState.FAILED, 5.0)
+    stats = short_sender.ask("wait_idle", 5.0)
+    assert stats["num_used_blocks"] == 0 and stats["failed_by_reason"]["bootstrap_timeout"] >= 1
+
+
+def test_killed_sender_is_noticed_within_the_heartbeat_timeout(make_receiver) -> None:
+    config = make_config(num_blocks=64, **SHORT)
+    doomed = Peer("sender", config, layout_of(config))
+    receiver = make_receiver(**SHORT)
+    try:
+        room, deadline = new_room(), time.monotonic() + 60.0
+        doomed.ask("call", "expect", room, deadline)
+        receiver.add_room(room, doomed.endpoint, deadline)
+        assert wait_for(lambda: _acks(receiver) == 1)  # the encoder is working on it
+        start = time.monotonic()
+        doomed.kill()
+        got = collect(receiver, {room}, timeout_s=10.0)[room]
+        elapsed = time.monotonic() - start
+        assert isinstance(got, TransferError) and got.kind == FailureKind.SENDER_DEAD, got
+        assert elapsed < SHORT["heartbeat_timeout_s"] + 2 * SHORT["heartbeat_interval_s"] + 1.0
+        assert wait_for(lambda: receiver.stats()["num_used_blocks"] == 0)  # after quarantine
+    finally:
+        doomed.close()
+
+
+def test_request_deadline_fails_the_room_on_both_sides(short_sender, make_receiver) -> None:
+    sender, receiver = short_sender, make_receiver(**SHORT)
+    s = spec(new_room(), 1500)
+    deadline = time.monotonic() + 2.5  # well past bootstrap_timeout_s: only the deadline ends it
+    sender.ask("call", "expect", s.seed, deadline)
+    receiver.add_room(s.seed, sender.endpoint, deadline)
+    got = collect(receiver, {s.seed}, timeout_s=10.0)[s.seed]
+    assert time.monotonic() >= deadline
+    assert isinstance(got, TransferError) and got.kind == FailureKind.DEADLINE, got
+    # the sender fails it at the same deadline, or on the receiver's abort if that came first
+    assert wait_for(lambda: sender_state(sender, s.seed) == RoomState.FAILED)
+    assert sender.ask("submit", s)  # the encoder finishes late: the data is dropped
+    assert sender.ask("call", "stats")["messages"]["discarded_late_submits"] >= 1
+    assert_no_leaks(sender, receiver)
+    assert receiver.stats()["num_quarantined_blocks"] == 0
+
+
+def test_request_deadline_frees_data_waiting_for_receiver_blocks(
+    short_sender, make_receiver
+) -> None:
+    sender, receiver = short_sender, make_receiver(**SHORT, num_blocks=8)
+    before = sender.ask("call", "stats")["failed_by_reason"].get("deadline", 0)
+    hog = receiver.allocator.alloc(8 * 128)  # the receiver's buffer is busy for a long time
+    s = spec(new_room(), 700)
+    deadline = time.monotonic() + 2.5
+    sender.ask("call", "expect", s.seed, deadline)
+    assert sender.ask("submit", s)
+    receiver.add_room(s.seed, sender.endpoint, deadline)
+    time.sleep(2 * SHORT["waiting_timeout_s"])  # queueing for blocks is not a timeout
+    assert receiver.poll(s.seed) == RoomState.BOOTSTRAPPING
+    assert sender_state(sender, s.seed) == RoomState.BOOTSTRAPPING
+    got = collect(receiver, {s.seed}, timeout_s=10.0)[s.seed]
+    assert isinstance(got, TransferError) and got.kind == FailureKind.DEADLINE, got
+    assert wait_for(lambda: sender_state(sender, s.seed) == RoomState.FAILED)
+    # no init ever reached the sender, so no abort either: it failed the room by itself
+    assert sender.ask("call", "stats")["failed_by_reason"]["deadline"] == before + 1
+    receiver.allocator.free(hog)
+    assert_no_leaks(sender, receiver)
+
+
+def test_restarted_sender_fails_the_rooms_of_its_previous_life(make_receiver) -> None:
+    patient = dict(SHORT, heartbeat_timeout_s=60.0)  # silence alone would take a minute
+    config = make_config(num_blocks=64, **patient)
+    first = Peer("sender", config, layout_of(config))
+    receiver = make_receiver(**patient)
+    port = int(first.endpoint.rsplit(":", 1)[1])
+    second = None
+    try:
+        old, deadline = new_room(), time.monotonic() + 60.0
+        first.ask("call", "expect", old, deadline)
+        receiver.add_room(old, first.endpoint, deadline)
+        assert wait_for(lambda: _acks(receiver) == 1)
+        first.kill()
+        second = Peer(
+            "sender", make_config(num_blocks=64, control_port=port, **patient), layout_of(config)
+        )
+        assert second.endpoint == first.endpoint
+        s = spec(new_room(), 300)
+        second.ask("call", "expect", s.seed, deadline)
+        receiver.add_room(s.seed, second.endpoint, deadline)  # answered by the new process
+        got = collect(receiver, {old}, timeout_s=10.0)[old]
+        assert isinstance(got, TransferError) and got.kind == FailureKind.PEER_RESTARTED, got
+        assert second.ask("submit", s)
+        done = collect(receiver, {s.seed})[s.seed]
+        assert isinstance(done, ReceivedEmbeddings)
+        assert matches(done, make_request(s, receiver.layout))
+        receiver.release(s.seed)
+        assert_no_leaks(second, receiver)
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
