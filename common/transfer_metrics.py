@@ -38,6 +38,11 @@ def transfer_collector(side: str, stats_fn: Callable[[], dict]) -> StatsCollecto
     def stats() -> dict:
         s = dict(stats_fn())
         s["rooms_by_state"] = dict(s.get("rooms_active", {}))
+        s["frames_by_outcome"] = {
+            k: v
+            for k, v in s.get("messages", {}).items()
+            if k == "handled" or k.startswith("dropped")
+        }
         return s
 
     return StatsCollector(
@@ -64,6 +69,14 @@ def transfer_collector(side: str, stats_fn: Callable[[], dict]) -> StatsCollecto
                 "live rooms by state",
                 "rooms_by_state",
                 {**labels, "_by": "state"},
+            ),
+            (
+                "counter",
+                "transfer_control_frames",
+                "control frames by outcome (handled, or dropped_* when refused: unauthenticated, "
+                "replayed, oversized, foreign version, ...)",
+                "frames_by_outcome",
+                {**labels, "_by": "outcome"},
             ),
             ("gauge", "transfer_blocks_free", "free 128-token blocks", "num_free_blocks", labels),
             ("gauge", "transfer_blocks_used", "used 128-token blocks", "num_used_blocks", labels),

@@ -25,6 +25,7 @@ import collections
 import hmac
 import time
 
+from common.secret_files import check_not_placeholder
 from protos.epd.v1 import transfer_pb2
 
 MAC_TAG = b"\x7a\x20"  # field 15, length-delimited, 32 bytes
@@ -44,6 +45,7 @@ def load_secret(path: str) -> bytes:
             data = f.read(MAX_SECRET_BYTES + 2)
     except OSError as exc:
         raise ValueError(f"secret_file {path!r} cannot be read: {exc.strerror}") from None
+    check_not_placeholder(path, data.decode("utf-8", errors="replace"))
     secret = data.rstrip(b"\r\n")
     if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         raise ValueError(

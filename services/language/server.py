@@ -7,6 +7,7 @@ entry point (blocks until SIGINT/SIGTERM).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -102,7 +103,14 @@ def serve_with_receiver(config: LanguageConfig) -> LanguageServer:
     from services.language.receiving import create_receiver_source
 
     model_config = TextModelConfig.from_pretrained(config.model_path)
-    return serve(config, create_receiver_source(model_config, config.transfer))
+    # the receiver refuses, at the sender's announcement, a room longer than any request here
+    longest = config.max_seq_len or model_config.max_position_embeddings
+    transfer = config.transfer
+    if longest:
+        transfer = dataclasses.replace(
+            transfer, max_room_tokens=min(transfer.max_room_tokens, longest)
+        )
+    return serve(config, create_receiver_source(model_config, transfer))
 
 
 def start_runtime(config: LanguageConfig, handle: LanguageServer) -> WorkerRuntime:
