@@ -1,0 +1,179 @@
+"""Reading a checkpoint's safetensors weights the way the Hub lays them out.
+
+A checkpoint directory holds either one or more ``*.safetensors`` files, or shards named by
+``model.safetensors.index.json`` (``{"weight_map": {key: file}}``). With an index, exactly the
+files it names are read and every key it maps must be in its file; other ``*.safetensors``
+files in the directory are ignored. A shard the index names but the directory lacks is a
+``FileNotFoundError`` naming it.
+
+Tensors come out as zero-copy views of a private memory map of their file: nothing is read
+until a tensor's bytes are touched, a tensor costs no anonymous memory of its own, and the
+mapping goes away with the last view of its file. Callers copy what they keep
+(``param.copy_(view)`` converts the dtype on the way). Safetensors data is little-endian, as is
+every host this runs on.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own bound
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes are in its file."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def read_header(file: Path) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file, by key (``ValueError`` when it is malformed)."""
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{file}: not a safetensors file (shorter than 8 bytes)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise ValueError(f"{file}: header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+        try:
+            header = json.loads(handle.read(header_len))
+        except ValueError as exc:
+            raise ValueError(f"{file}: unreadable safetensors header ({exc})") from None
+    size = file.stat().st_size
+    base = 8 + header_len
+    entries = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{file}: tensor {key!r} has unsupported dtype {meta.get('dtype')!r}")
+        begin, end = meta["data_offsets"]
+        shape = tuple(meta["shape"])
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        entry = TensorEntry(key, dtype, shape, base + begin, base + end)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if entry.nbytes != numel * itemsize or entry.end > size or begin < 0:
+            raise ValueError(f"{file}: tensor {key!r} has inconsistent offsets {begin}..{end}")
+        entries[key] = entry
+    return entries
+
+
+def checkpoint_shards(path: str | Path) -> dict[Path, list[str]]:
+    """Each weight file of the checkpoint and the keys to read from it, in file order.
+
+    With an index: the files and keys it names (a missing shard or a key absent from its shard
+    is an error). Without: every ``*.safetensors`` file and all of its keys.
+    """
+    path = Path(path)
+    index = path / WEIGHTS_INDEX
+    if not index.exists():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors weights in {path}")
+        shards = {file: list(read_header(file)) for file in files}
+        seen: dict[str, Path] = {}
+        for file, keys in shards.items():
+            for key in keys:
+                if key in seen:
+                    raise ValueError(f"{key!r} is in both {seen[key].name} and {file.name}")
+                seen[key] = file
+        return shards
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{index}: not a safetensors index ({exc!r})") from None
+    shards: dict[Path, list[str]] = {}
+    for key, name in weight_map.items():
+        shards.setdefault(path / name, []).append(key)
+    missing = [file.name for file in shards if not file.exists()]
+    if missing:
+        raise FileNotFoundError(
+            f"{index.name} names shard(s) missing from {path}: {', '.join(sorted(missing))}"
+        )
+    if not shards:
+        raise FileNotFoundError(f"{index} maps no weights")
+    return dict(sorted(shards.items()))
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The weight files of the checkpoint (the index's shards when it has one)."""
+    return list(checkpoint_shards(path))
+
+
+class ShardFile:
+    """One safetensors file, memory-mapped privately on first use."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        self.entries = read_header(file)
+        self._storage: torch.UntypedStorage | None = None
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """A view of ``key``'s bytes (a copy only when the file misaligns them)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            raise KeyError(f"{self.file.name} has no tensor {key!r}")
+        if self._storage is None:
+            size = self.file.stat().st_size
+            self._storage = torch.UntypedStorage.from_file(
+                str(self.file), shared=False, nbytes=size
+            )
+        itemsize = torch.empty((), dtype=entry.dtype).element_size()
+        if entry.start % itemsize == 0:
+            view = torch.empty(0, dtype=entry.dtype)
+            return view.set_(self._storage, entry.start // itemsize, entry.shape)
+        raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, entry.start, (entry.nbytes,))
+        return raw.clone().view(entry.dtype).reshape(entry.shape)
+
+
+def iter_tensors(
+    path: str | Path, select: Callable[[str], str | None]
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(name, key, view)`` for every checkpoint key that ``select`` maps to a name.
+
+    Files are visited one after the other; a file's mapping is released once the caller drops
+    the views it took from it.
+    """
+    for file, keys in checkpoint_shards(path).items():
+        shard = ShardFile(file)
+        absent = [key for key in keys if key not in shard.entries]
+        if absent:
+            raise ValueError(f"{WEIGHTS_INDEX} maps {absent[:3]} to {file.name}, which lacks them")
+        for key in keys:
+            name = select(key)
+            if name is not None:
+                yield name, key, shard.tensor(key)
+        del shard
