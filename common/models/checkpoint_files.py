@@ -8,14 +8,15 @@ files in the directory are ignored. A shard the index names but the directory la
 
 Tensors come out as zero-copy views of a private memory map of their file: nothing is read
 until a tensor's bytes are touched, a tensor costs no anonymous memory of its own, and the
-mapping goes away with the last view of its file. Callers copy what they keep
-(``param.copy_(view)`` converts the dtype on the way). Safetensors data is little-endian, as is
-every host this runs on.
+mapping goes away with the last view of its file (or a tensor's pages at once, on request).
+Callers copy what they keep (``param.copy_(view)`` converts the dtype on the way). Safetensors
+data is little-endian, as is every host this runs on.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -134,38 +135,56 @@ def weight_files(path: str | Path) -> list[Path]:
 
 
 class ShardFile:
-    """One safetensors file, memory-mapped privately on first use."""
+    """One safetensors file, memory-mapped privately (copy-on-write) on first use."""
 
     def __init__(self, file: Path) -> None:
         self.file = file
         self.entries = read_header(file)
-        self._storage: torch.UntypedStorage | None = None
+        self._map: mmap.mmap | None = None
+
+    def _mapping(self) -> mmap.mmap:
+        if self._map is None:
+            with open(self.file, "rb") as handle:
+                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._map
 
     def tensor(self, key: str) -> torch.Tensor:
         """A view of ``key``'s bytes (a copy only when the file misaligns them)."""
         entry = self.entries.get(key)
         if entry is None:
             raise KeyError(f"{self.file.name} has no tensor {key!r}")
-        if self._storage is None:
-            size = self.file.stat().st_size
-            self._storage = torch.UntypedStorage.from_file(
-                str(self.file), shared=False, nbytes=size
-            )
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        mapping = self._mapping()
         itemsize = torch.empty((), dtype=entry.dtype).element_size()
         if entry.start % itemsize == 0:
-            view = torch.empty(0, dtype=entry.dtype)
-            return view.set_(self._storage, entry.start // itemsize, entry.shape)
-        raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, entry.start, (entry.nbytes,))
+            flat = torch.frombuffer(
+                mapping, dtype=entry.dtype, count=entry.nbytes // itemsize, offset=entry.start
+            )
+            return flat.view(entry.shape)
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
         return raw.clone().view(entry.dtype).reshape(entry.shape)
+
+    def release(self, key: str) -> None:
+        """Give back the memory of ``key``'s pages; they are read from the file again if a view
+        is touched later (the mapping is never written, so nothing is lost)."""
+        entry = self.entries[key]
+        if self._map is None or entry.nbytes == 0:
+            return
+        start = entry.start // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(-(-entry.end // mmap.PAGESIZE) * mmap.PAGESIZE, len(self._map))
+        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def iter_tensors(
-    path: str | Path, select: Callable[[str], str | None]
+    path: str | Path, select: Callable[[str], str | None], release: bool = False
 ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """``(name, key, view)`` for every checkpoint key that ``select`` maps to a name.
 
-    Files are visited one after the other; a file's mapping is released once the caller drops
-    the views it took from it.
+    Files are visited one after the other; a file's mapping goes once the caller drops the
+    views it took from it. With ``release``, each tensor's pages are given back as soon as the
+    caller asks for the next one, so a caller that copies each tensor before moving on holds
+    one tensor of the file at a time instead of all it has read.
     """
     for file, keys in checkpoint_shards(path).items():
         shard = ShardFile(file)
@@ -176,4 +195,6 @@ def iter_tensors(
             name = select(key)
             if name is not None:
                 yield name, key, shard.tensor(key)
+                if release:
+                    shard.release(key)
         del shard

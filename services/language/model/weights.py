@@ -4,8 +4,8 @@ Reads exactly the weight files the checkpoint names (``model.safetensors.index.j
 has one; see ``common.models.checkpoint_files``), skips the vision tower's tensors without
 touching their bytes, and copies each text tensor straight from the file's memory map into the
 decoder's parameter, converting the dtype on the way (bf16 weights into an fp32 or bf16 model).
-The decoder is allocated once, in its final dtype, so peak memory is the model plus the pages of
-the shard being read.
+The decoder is allocated once, in its final dtype, and each tensor's file pages are given back as
+soon as it is copied, so peak memory is the model plus one tensor as stored.
 
 Key layouts: ``model.layers.*`` / ``model.embed_tokens`` / ``model.norm`` (Qwen2-VL and
 Qwen2.5-VL on the Hub), ``model.language_model.*`` (Qwen3-VL, and what transformers 5 names
@@ -64,7 +64,7 @@ def load_text_model(
     loaded: set[str] = set()
     nbytes = 0
     with torch.no_grad():
-        for name, key, tensor in iter_tensors(model_path, text_param_name):
+        for name, key, tensor in iter_tensors(model_path, text_param_name, release=True):
             param = expected.get(name)
             if param is None:
                 continue  # e.g. a tied checkpoint's lm_head, rotary caches of older exports
@@ -76,7 +76,6 @@ def load_text_model(
             param.copy_(tensor)
             nbytes += tensor.nbytes
             loaded.add(name)
-            del tensor  # the shard's mapping goes with its last view
     missing = sorted(set(expected) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path} lacks text weights: {missing[:5]}")
