@@ -9,8 +9,9 @@ files in the directory are ignored. A shard the index names but the directory la
 Tensors come out as zero-copy views of a private memory map of their file: nothing is read
 until a tensor's bytes are touched, a tensor costs no anonymous memory of its own, and the
 mapping goes away with the last view of its file (or a tensor's pages at once, on request).
-Callers copy what they keep (``param.copy_(view)`` converts the dtype on the way). Safetensors
-data is little-endian, as is every host this runs on.
+Callers copy what they keep; ``copy_into`` copies a model's weights in place, converting the dtype
+on the way, while holding one stored tensor at a time. Safetensors data is little-endian, as is
+every host this runs on.
 """
 
 from __future__ import annotations
@@ -198,3 +199,47 @@ def iter_tensors(
                 if release:
                     shard.release(key)
         del shard
+
+
+@dataclass(frozen=True)
+class CopyStats:
+    """What ``copy_into`` read."""
+
+    num_tensors: int
+    nbytes: int  # as stored in the files
+
+
+def copy_into(
+    targets: dict[str, torch.Tensor],
+    path: str | Path,
+    select: Callable[[str], str | None],
+    ignore_unknown: bool = False,
+) -> CopyStats:
+    """Copy every checkpoint tensor ``select`` names into ``targets[name]``, one at a time.
+
+    The dtype is converted by the copy and each tensor's file pages are given back right after
+    it, so the caller's memory grows by the targets alone. Raises ``ValueError`` for a shape
+    that differs from its target's, a target the checkpoint lacks, and (unless
+    ``ignore_unknown``) a selected tensor no target takes.
+    """
+    loaded: set[str] = set()
+    nbytes = 0
+    with torch.no_grad():
+        for name, key, tensor in iter_tensors(path, select, release=True):
+            target = targets.get(name)
+            if target is None:
+                if ignore_unknown:
+                    continue
+                raise ValueError(f"{path}: {key} has no place in the model (as {name!r})")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{path}: {key} has shape {tuple(tensor.shape)}, the config "
+                    f"implies {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            nbytes += tensor.nbytes
+            loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {missing[:5]} ({len(missing)} missing)")
+    return CopyStats(len(loaded), nbytes)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.models.checkpoint_files import ShardFile, iter_tensors, read_header
+from common.models.checkpoint_files import ShardFile, copy_into, iter_tensors, read_header
 
 
 def test_views_equal_the_librarys_tensors_and_survive_release(tmp_path) -> None:
@@ -69,3 +69,20 @@ def test_no_index_and_a_key_in_two_files(tmp_path) -> None:
     save_file({"w": torch.ones(2)}, str(tmp_path / "b.safetensors"))
     with pytest.raises(ValueError, match="'w' is in both a.safetensors and b.safetensors"):
         list(iter_tensors(tmp_path, lambda k: k))
+
+
+def test_copy_into_converts_and_checks(tmp_path) -> None:
+    weights = {"a.w": torch.randn(4, 3).to(torch.bfloat16), "b.w": torch.randn(2)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    targets = {"a": torch.empty(4, 3), "b": torch.empty(2, dtype=torch.bfloat16)}
+    stats = copy_into(targets, tmp_path, lambda k: k.removesuffix(".w"))
+    assert stats.num_tensors == 2 and stats.nbytes == 4 * 3 * 2 + 2 * 4
+    assert torch.equal(targets["a"], weights["a.w"].float())
+    assert torch.equal(targets["b"], weights["b.w"].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="b.w has no place in the model"):
+        copy_into({"a": torch.empty(4, 3)}, tmp_path, lambda k: k.removesuffix(".w"))
+    assert copy_into({"a": torch.empty(4, 3)}, tmp_path, lambda k: k[0], ignore_unknown=True)
+    with pytest.raises(ValueError, match=r"lacks \['c'\] \(1 missing\)"):
+        copy_into({**targets, "c": torch.empty(1)}, tmp_path, lambda k: k.removesuffix(".w"))
+    with pytest.raises(ValueError, match=r"a.w has shape \(4, 3\), the config implies \(3, 4\)"):
+        copy_into({"a": torch.empty(3, 4)}, tmp_path, lambda k: k[0], ignore_unknown=True)

@@ -146,7 +146,7 @@ def test_untied_checkpoint_without_lm_head(copy_of) -> None:
     index = json.loads((path / WEIGHTS_INDEX).read_text())
     del index["weight_map"]["lm_head.weight"]
     (path / WEIGHTS_INDEX).write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"lacks text weights: \['lm_head.weight'\]"):
+    with pytest.raises(ValueError, match=r"text weights: .* lacks \['lm_head.weight'\]"):
         load_text_model(path, CPU, torch.float32)
 
 

@@ -10,7 +10,8 @@ soon as it is copied, so peak memory is the model plus one tensor as stored.
 Key layouts: ``model.layers.*`` / ``model.embed_tokens`` / ``model.norm`` (Qwen2-VL and
 Qwen2.5-VL on the Hub), ``model.language_model.*`` (Qwen3-VL, and what transformers 5 names
 everything), ``language_model.model.*`` / ``language_model.*`` (older exports). ``lm_head.weight``
-is loaded when the embeddings are untied and ignored when they are tied.
+is loaded when the embeddings are untied and ignored when they are tied, as are checkpoint
+entries the decoder has no parameter for (rotary caches of older exports).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common.models.checkpoint_files import iter_tensors
+from common.models.checkpoint_files import copy_into
 from services.language.model.config import TextModelConfig
 from services.language.model.qwen import QwenTextModel
 from services.language.model.rope import MRotaryEmbedding
@@ -60,27 +61,14 @@ def load_text_model(
     with torch.device("meta"):
         model = QwenTextModel(config, rope)
     model = model.to(dtype=dtype).to_empty(device=device)
-    expected = dict(model.named_parameters())
-    loaded: set[str] = set()
-    nbytes = 0
-    with torch.no_grad():
-        for name, key, tensor in iter_tensors(model_path, text_param_name, release=True):
-            param = expected.get(name)
-            if param is None:
-                continue  # e.g. a tied checkpoint's lm_head, rotary caches of older exports
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"{model_path}: {key} has shape {tuple(tensor.shape)}, the config "
-                    f"implies {tuple(param.shape)}"
-                )
-            param.copy_(tensor)
-            nbytes += tensor.nbytes
-            loaded.add(name)
-    missing = sorted(set(expected) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint {model_path} lacks text weights: {missing[:5]}")
+    try:
+        stats = copy_into(
+            dict(model.named_parameters()), model_path, text_param_name, ignore_unknown=True
+        )
+    except ValueError as exc:
+        raise ValueError(f"text weights: {exc}") from None
     logger.info(
         "loaded %d text weights (%.2f GB stored) into %s %s in %.1f s",
-        len(loaded), nbytes / 1e9, device, dtype, time.monotonic() - start,
+        stats.num_tensors, stats.nbytes / 1e9, device, dtype, time.monotonic() - start,
     )  # fmt: skip
     return model.eval()
