@@ -152,7 +152,8 @@ def _config(arch: str, spec: TinySpec, tokenizer):
     return config_cls(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
 
 
-def _image_processor_config(arch: str) -> dict:
+def image_processor_config(arch: str) -> dict:
+    """The test/demo checkpoints' ``preprocessor_config.json``."""
     qwen3 = arch == "qwen3_vl"
     mean_std = (
         ([0.5] * 3, [0.5] * 3)
@@ -226,7 +227,7 @@ def make_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(
-        json.dumps(_image_processor_config(arch), indent=2)
+        json.dumps(image_processor_config(arch), indent=2)
     )
     return out
 
