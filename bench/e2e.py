@@ -1,15 +1,16 @@
 """End to end through the gateway vs transformers' monolithic model, same checkpoint and run.
 
 Starts a gateway, one encoder and one language worker as processes on 127.0.0.1 (the demo
-checkpoint), drives the gateway at concurrency 1, 4 and 16 with a mixed image workload
-(text only, one small image, one medium image; every image distinct, so no embedding-cache
-hits) and reports requests/s, TTFT p50/p99 and inter-token latency p50. The baseline runs the
-same kind of requests through ``HFReference`` one after the other (``generate`` per request,
-as a monolithic server without batching would). The gateway's own overhead is the p50
-difference between the same text-only request sent through the gateway and straight to the
-language worker's ``Generate`` RPC, alternating.
+checkpoint, or with ``--size bench`` one with Qwen2.5-VL-3B's layer widths and 4+4 layers),
+drives the gateway at concurrency 1, 4 and 16 with a mixed image workload (text only, one small
+image, one medium image; every image distinct, so no embedding-cache hits) and reports
+requests/s, TTFT p50/p99 and inter-token latency p50. The baseline runs the same kind of
+requests through ``HFReference`` one after the other (``generate`` per request, as a monolithic
+server without batching would). The gateway's own overhead is the p50 difference between the
+same text-only request sent through the gateway and straight to the language worker's
+``Generate`` RPC, alternating.
 
-``epd bench e2e [--json] [--quick]`` or ``python -m bench.e2e``.
+``epd bench e2e [--json] [--quick] [--size demo|bench]`` or ``python -m bench.e2e``.
 """
 
 from __future__ import annotations
@@ -195,12 +196,18 @@ def gateway_overhead_ms(stack: LocalStack, rounds: int) -> dict[str, float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="a third of the requests")
-    parser.add_argument("--model-path", type=Path, help="checkpoint (default: the demo one)")
+    parser.add_argument("--model-path", type=Path, help="checkpoint (default: generated, --size)")
+    parser.add_argument(
+        "--size",
+        choices=("demo", "bench"),
+        default="demo",
+        help="generated Qwen2.5-VL checkpoint: demo, or bench (Qwen2.5-VL-3B widths, 4+4 layers)",
+    )
     parser.add_argument("--overhead-rounds", type=int, default=OVERHEAD_ROUNDS)
 
 
 def bench(args: argparse.Namespace) -> dict:
-    model_dir = args.model_path or ensure_tiny_model("qwen2_5_vl", "demo")
+    model_dir = args.model_path or ensure_tiny_model("qwen2_5_vl", args.size)
     scale = 3 if args.quick else 1
     with tempfile.TemporaryDirectory(prefix="epd-bench-e2e-") as log_dir:
         stack = start_local_stack(Path(model_dir), Path(log_dir), startup_timeout_s=STARTUP_S)

@@ -1,8 +1,9 @@
 """Encoder benchmark: images/s at batch 1 vs batched, and cache-hit vs miss latency.
 
-Runs the in-process ``EncoderPipeline`` (no gRPC, no transfer) on the demo checkpoint
-(``ensure_tiny_model("qwen2_5_vl", "demo")``) with 448x448 and 1344x1344 images.
-``python -m bench.encoder [--num-images N] [--device auto|cpu|cuda]``.
+Runs the in-process ``EncoderPipeline`` (no gRPC, no transfer) on a generated Qwen2.5-VL
+checkpoint (``--size demo``, or ``bench``: Qwen2.5-VL-3B's vision widths, 4 blocks) with
+448x448 and 1344x1344 images.
+``python -m bench.encoder [--num-images N] [--device auto|cpu|cuda] [--size demo|bench]``.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-images", type=int, default=8, help="images per throughput run")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--size", choices=("demo", "bench"), default="demo")
     args = parser.parse_args(argv)
-    path = ensure_tiny_model("qwen2_5_vl", "demo")
+    path = ensure_tiny_model("qwen2_5_vl", args.size)
     rows = []
     for size in SIZES:
         num = args.num_images if size < 1000 else max(2, args.num_images // 2)

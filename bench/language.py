@@ -2,7 +2,9 @@
 
 Measures prefill tokens/s, generation tokens/s at batch 1 and 8 (HF ``generate`` with a
 padded batch vs the engine's continuous batch), and the engine's TTFT for a repeated
-image+prefix request (radix hit) vs the first. ``python -m bench.language [--quick]``.
+image+prefix request (radix hit) vs the first. ``python -m bench.language [--quick]
+[--size demo|bench]`` (bench: the arch's real layer widths with 4+4 layers, so per-layer costs
+weigh as in the real model instead of the 151k-row embedding dominating).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def bench_ttft(ref: HFReference, engine: LanguageEngine, image_size: int) -> tup
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.language")
     parser.add_argument("--arch", default="qwen2_5_vl")
-    parser.add_argument("--size", default="demo")
+    parser.add_argument("--size", choices=("demo", "bench"), default="demo")
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
     args = parser.parse_args(argv)
     torch.manual_seed(0)

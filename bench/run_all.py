@@ -1,5 +1,8 @@
 """``make bench``: every benchmark, one after the other, each printing its own table.
 
+The encoder, language-engine and end-to-end benchmarks run twice: on the demo checkpoint and on
+the bench checkpoint (real layer widths, few layers; ``epd make-tiny-model --size bench``).
+
 Each part runs in a fresh interpreter so that one benchmark's threads and memory do not skew
 the next; a failing part is reported and the rest still run (exit status 1 at the end).
 """
@@ -10,11 +13,15 @@ import subprocess
 import sys
 import time
 
+BENCH = "bench model: Qwen2.5-VL-3B widths, 4+4 layers"
 PARTS = (
     ("transfer protocol vs raw Mooncake / memcpy", ["-m", "bench.transfer"]),
     ("encoder: batching and embedding cache", ["-m", "bench.encoder"]),
+    (f"encoder, {BENCH}", ["-m", "bench.encoder", "--size", "bench"]),
     ("language engine vs transformers", ["-m", "bench.language"]),
+    (f"language engine vs transformers, {BENCH}", ["-m", "bench.language", "--size", "bench"]),
     ("end to end through the gateway vs transformers", ["-m", "bench.e2e"]),
+    (f"end to end vs transformers, {BENCH}", ["-m", "bench.e2e", "--size", "bench"]),
 )
 
 

@@ -1,8 +1,9 @@
 """Transfer-plane benchmark table for ``make bench``: time vs tokens, protocol vs raw.
 
 ``main()`` runs ``common.transfer.bench.measure`` for 128..16384 tokens (hidden 3584, bf16,
-all tokens image tokens) plus the three goal scenarios and four concurrent rooms, and prints
-one table.
+all tokens image tokens) plus the three goal scenarios and four concurrent rooms, then the bytes
+on the wire per image in bf16 and fp32 for the real models' row widths (``bench.wire_bytes``),
+and prints the tables.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 
+from bench import wire_bytes  # noqa: E402
 from common.transfer.bench import BenchParams, format_table, is_clean, measure  # noqa: E402
 
 TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -46,8 +48,14 @@ def main() -> int:
         )
     whole, split = goals[0][1], goals[1][1]
     print(f"  split / whole: {split['protocol_ms'] / whole['protocol_ms']:.3f}")
+    per_image = wire_bytes.rows()
+    print(
+        f"\nbytes on the wire per image by wire dtype (EPD_TRANSFER_DTYPE; Mooncake tcp, "
+        f"median of {wire_bytes.REPEATS})"
+    )
+    print(wire_bytes.format_table(per_image))
     clean = all(is_clean(r) for r in records + [g[1] for g in goals])
-    return 0 if clean else 1
+    return 0 if clean and wire_bytes.all_clean(per_image) else 1
 
 
 if __name__ == "__main__":

