@@ -41,6 +41,7 @@ from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_
 from services.gateway import workers as calls
 from services.gateway.admission import Admission
 from services.gateway.config import ENV_PREFIX, GatewayConfig
+from services.gateway.frontdoor import Api, FrontDoor
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.registry import Role, WorkerRegistry
@@ -115,7 +116,7 @@ def public_security(
 
         def count(method: str) -> None:
             if metrics is not None and method in LONG_METHODS:
-                metrics.requests.labels("UNAUTHENTICATED").inc()
+                metrics.finished("UNAUTHENTICATED", Api.GRPC.value)
 
         keys = BearerKeys(config.api_keys, keys_file)
         auth = BearerAuthInterceptor(keys, "API key", on_refuse=count)
@@ -158,18 +159,19 @@ def serve(config: GatewayConfig) -> GatewayServer:
         create_policy(config.language_policy, Role.LANGUAGE, config.affinity_slack),
         metrics,
     )
+    front_door = FrontDoor(config, admission, orchestrator, metrics)
     # The admission bound is the stream bound: the same refusal, whichever sees it first.
     capacity = StreamCapacity(
         config.max_queued,
         LONG_METHODS,
         who="gateway",
-        on_reject=lambda _method: metrics.requests.labels("RESOURCE_EXHAUSTED").inc(),
+        on_reject=lambda _method: metrics.finished("RESOURCE_EXHAUSTED", Api.GRPC.value),
         message=f"gateway queue is full ({config.max_queued} requests in flight)",
     )
     security = public_security(config, metrics)
     server = create_server("epd-gateway", config.max_message_mb, capacity, security)
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(config, admission, orchestrator, registry, metrics), server
+        GatewayServicer(config, front_door, registry), server
     )
     port, health_servicer = start_server(
         server, config.host, config.port, (GATEWAY_SERVICE,), health_port=config.health_port
