@@ -192,26 +192,28 @@ def serve(config: GatewayConfig) -> GatewayServer:
     )
     keys = api_keys(config)
     security = public_security(config, metrics, keys)
-    server = create_server("epd-gateway", config.max_message_mb, capacity, security)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(config, front_door, registry), server
-    )
-    port, health_servicer = start_server(
-        server, config.host, config.port, (GATEWAY_SERVICE,), health_port=config.health_port
-    )
-    started: list = [server]
-    try:
-        registry_server, registry_port, registry_health = _start_registry(config, registry)
-        started.append(registry_server)
-        http = None
-        if config.http_port:
-            from services.gateway.http.server import start_http  # FastAPI only when asked for
+    http = None
+    if config.http_port:  # first: it serves before gRPC health says SERVING
+        from services.gateway.http.server import start_http  # FastAPI only when asked for
 
-            tls = security.tls if security is not None else None
-            http = start_http(config, front_door, registry, keys, tls)
+        tls = security.tls if security is not None else None
+        http = start_http(config, front_door, registry, keys, tls)
+    started: list = []
+    try:
+        server = create_server("epd-gateway", config.max_message_mb, capacity, security)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(
+            GatewayServicer(config, front_door, registry), server
+        )
+        port, health_servicer = start_server(
+            server, config.host, config.port, (GATEWAY_SERVICE,), health_port=config.health_port
+        )
+        started.append(server)
+        registry_server, registry_port, registry_health = _start_registry(config, registry)
     except BaseException:
         for running in started:
             running.stop(None)
+        if http is not None:
+            http.stop(0)
         raise
     poller = HealthPoller(registry, config.health_poll_s)
     logger.info(

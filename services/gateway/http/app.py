@@ -118,7 +118,6 @@ def create_app(ctx: HttpContext) -> ASGIApp:
         version="1",
         docs_url=None,
         redoc_url=None,
-        max_body_size=config.max_message_mb << 20,
     )
     _add_error_handlers(app, ctx)
 
@@ -184,12 +183,17 @@ def create_app(ctx: HttpContext) -> ASGIApp:
     if ctx.dashboard is not None:
         _add_dashboard(app, ctx, ctx.dashboard)
     _drop_unused_422(app)
-    return Guard(app, ctx.keys, on_refuse=lambda path: _refused(ctx, path))
+    return Guard(app, ctx.keys, config.max_message_mb << 20, lambda p, o: _refused(ctx, p, o))
 
 
-def _refused(ctx: HttpContext, path: str) -> None:
+def _refused(ctx: HttpContext, path: str, outcome: str) -> None:
     if path == CHAT_PATH:
-        ctx.count("UNAUTHENTICATED")
+        ctx.count(outcome)
+
+
+def _is_chat(request: Request) -> bool:
+    """A chat completion request (counted in the gateway's series however it ends)."""
+    return request.url.path == CHAT_PATH and request.method == "POST"
 
 
 def _model(name: str, created: int) -> dict:
@@ -204,17 +208,14 @@ def _add_error_handlers(app: FastAPI, ctx: HttpContext) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> Response:
         error = _validation_error(exc)
-        if request.url.path == CHAT_PATH:
+        if _is_chat(request):
             ctx.count(outcome_of(error.status))
         return _error(error)
 
     @app.exception_handler(HTTPException)
     async def starlette_error(request: Request, exc: HTTPException) -> Response:
-        message = str(exc.detail)
-        if exc.status_code == 413:
-            message = f"request body is larger than the limit of {ctx.config.max_message_mb} MiB"
-        error = status_error(exc.status_code, message)
-        if request.url.path == CHAT_PATH:
+        error = status_error(exc.status_code, str(exc.detail))
+        if _is_chat(request):
             ctx.count(outcome_of(error.status))
         headers = {**(exc.headers or {}), **error.headers()}
         return Response(error.encoded(), error.status, headers, "application/json")

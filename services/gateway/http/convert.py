@@ -195,9 +195,11 @@ def image_source(url: str, where: str) -> common_pb2.ImageSource:
     """A ``data:`` URL (base64) or an ``http(s)`` URL as an image source."""
     scheme = url.partition(":")[0].lower() if ":" in url else ""
     if scheme == "data":
-        header, comma, _ = url.partition(",")
+        header, comma, payload = url.partition(",")
         if not comma or not header.lower().endswith(";base64"):
             raise invalid(f"{where} must be a base64 data URL (data:image/png;base64,...)", where)
+        if not payload.strip():
+            raise invalid(f"{where} holds no image data", where)
         return common_pb2.ImageSource(base64=url)
     if scheme in ("http", "https"):
         return common_pb2.ImageSource(url=url)
@@ -235,7 +237,7 @@ def _sampling(
             raise invalid(f"seed must be in [{MIN_SEED}, {MAX_SEED}], got {body.seed}", "seed")
         s.seed = body.seed & MAX_SEED  # a negative seed is its 64-bit two's complement
     for i, token_id in enumerate(body.stop_token_ids or ()):
-        if not 0 <= token_id <= MAX_INT32:
+        if not -MAX_INT32 <= token_id <= MAX_INT32:  # the gateway refuses negatives itself
             raise invalid(
                 f"stop_token_ids[{i}] must be in [0, {MAX_INT32}], got {token_id}",
                 f"stop_token_ids[{i}]",
