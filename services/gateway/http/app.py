@@ -63,7 +63,7 @@ CHAT_RESPONSES = {
         "model": schemas.ChatCompletion,
         "description": "a chat.completion; with stream: true, Server-Sent Events each carrying a "
         "chat.completion.chunk (ChatCompletionChunk), ending with `data: [DONE]`",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/ChatEvent"}}},
     },
     **{s: {"model": schemas.ErrorResponse} for s in (400, 401, 404, 409, 413, 429, 500, 503, 504)},
 }
@@ -182,7 +182,7 @@ def create_app(ctx: HttpContext) -> ASGIApp:
 
     if ctx.dashboard is not None:
         _add_dashboard(app, ctx, ctx.dashboard)
-    _drop_unused_422(app)
+    _finish_openapi(app)
     return Guard(app, ctx.keys, config.max_message_mb << 20, lambda p, o: _refused(ctx, p, o))
 
 
@@ -237,8 +237,9 @@ def _validation_error(exc: RequestValidationError) -> HttpError:
     return invalid(f"{param}: {first.get('msg', 'invalid value')}", param or None)
 
 
-def _drop_unused_422(app: FastAPI) -> None:
-    """Bad requests are 400 here (OpenAI's status), never FastAPI's 422: say so in the spec."""
+def _finish_openapi(app: FastAPI) -> None:
+    """What FastAPI cannot say by itself: bad requests are 400 here (OpenAI's status), never
+    422; a streamed answer's events are ``ChatEvent``s (data: a chunk, an error, or [DONE])."""
     original = app.openapi
 
     def openapi() -> dict:
@@ -247,8 +248,15 @@ def _drop_unused_422(app: FastAPI) -> None:
             for path in schema.get("paths", {}).values():
                 for operation in path.values():
                     operation.get("responses", {}).pop("422", None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
+            chunk = schemas.ChatCompletionChunk.model_json_schema(
+                ref_template="#/components/schemas/{model}"
+            )
+            components.update(chunk.pop("$defs", {}))
+            components["ChatCompletionChunk"] = chunk
+            components["ChatEvent"] = schemas.CHAT_EVENT
         return app.openapi_schema
 
     app.openapi = openapi

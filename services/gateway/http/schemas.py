@@ -3,9 +3,10 @@
 They serve two purposes: FastAPI parses request bodies with them, and ``/openapi.json`` is
 generated from them. Parsing checks JSON types only; every bound is checked once, by the
 gateway's own validation of the ``GenerateRequest`` the body becomes (``convert.py``), so the
-HTTP and gRPC APIs refuse the same requests with the same words. ``messages`` is parsed by
-``convert.py`` as well (each message, part and image URL is checked there with an error naming
-its path); its OpenAPI schema is the precise one below.
+HTTP and gRPC APIs refuse the same requests with the same words. The fixed bounds appear in the
+schema for clients and fuzzers (``json_schema_extra``), without being enforced twice.
+``messages`` is parsed by ``convert.py`` as well (each message, part and image URL is checked
+there with an error naming its path); its OpenAPI schema is the precise one below.
 
 Responses are built as plain dicts (``convert.py``) for speed; their models here document them.
 Unknown request fields are ignored, as OpenAI-compatible servers do.
@@ -16,6 +17,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+
+from services.gateway.validation import MAX_TEMPERATURE
+
+MAX_SEED = (1 << 64) - 1
 
 # ---- requests ----------------------------------------------------------------------------
 
@@ -57,14 +62,14 @@ MESSAGE = {
         "content": {
             "anyOf": [
                 {"type": "string"},
-                {"type": "array", "items": {"anyOf": [TEXT_PART, IMAGE_PART]}},
+                {"type": "array", "items": {"anyOf": [TEXT_PART, IMAGE_PART]}, "minItems": 1},
             ]
         },
         "name": {"type": "string", "description": "accepted and ignored"},
     },
     "required": ["role", "content"],
 }
-MESSAGES_SCHEMA = {"type": "array", "items": MESSAGE}
+MESSAGES_SCHEMA = {"type": "array", "items": MESSAGE, "minItems": 1}
 
 
 def _one_or_list(value: Any) -> Any:
@@ -100,19 +105,31 @@ class ChatCompletionRequest(BaseModel):
 
     messages: Annotated[list[Any], WithJsonSchema(MESSAGES_SCHEMA)]
     model: str | None = Field(None, description="the served model ('' or omitted: that one)")
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = Field(None, description="wins over max_tokens")
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
+    max_completion_tokens: int | None = Field(
+        None, description="wins over max_tokens", json_schema_extra={"minimum": 1}
+    )
+    temperature: float | None = Field(
+        None,
+        description="0 = greedy; otherwise at least 0.01",
+        json_schema_extra={"minimum": 0, "maximum": MAX_TEMPERATURE},
+    )
+    top_p: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})
+    seed: int | None = Field(None, json_schema_extra={"minimum": -(1 << 63), "maximum": MAX_SEED})
     stop: StopList = None
-    n: int | None = Field(None, description="only 1")
+    n: int | None = Field(
+        None, description="only 1", json_schema_extra={"minimum": 1, "maximum": 1}
+    )
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # Extensions, as SGLang and vLLM accept them.
-    top_k: int | None = Field(None, description="extension: 0 or -1 = off")
+    top_k: int | None = Field(
+        None, description="extension: 0 or -1 = off", json_schema_extra={"minimum": -1}
+    )
     ignore_eos: bool | None = Field(None, description="extension: decode past EOS")
-    stop_token_ids: list[int] | None = Field(None, description="extension: stop at these ids")
+    stop_token_ids: (
+        list[Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0})]] | None
+    ) = Field(None, description="extension: stop at these ids")
     # Accepted for compatibility; refused unless they ask for nothing this server cannot do.
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -213,3 +230,29 @@ class PoolHealth(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "stopping"]
     workers: dict[str, PoolHealth]
+
+
+# One Server-Sent Event of a streamed answer (``text/event-stream``), as OpenAPI 3.2 describes
+# events: its data is a ChatCompletionChunk, an error, or the final [DONE].
+CHAT_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "anyOf": [
+                {"const": "[DONE]"},
+                {
+                    "type": "string",
+                    "contentMediaType": "application/json",
+                    "contentSchema": {
+                        "anyOf": [
+                            {"$ref": "#/components/schemas/ChatCompletionChunk"},
+                            {"$ref": "#/components/schemas/ErrorResponse"},
+                        ]
+                    },
+                },
+            ]
+        },
+        "event": {"const": "message"},
+    },
+}
