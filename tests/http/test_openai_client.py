@@ -4,18 +4,20 @@ Greedy answers through HTTP equal what gRPC ``Generate`` returns for the same me
 and with an image sent as a data URL); streamed deltas concatenate to the non-streamed text;
 usage is right, with cached prompt tokens on a repeat; the model list is the checkpoint's
 name; sampling extensions (seed, top_k, stop strings) behave as on gRPC; refusals arrive as the
-client's own exception types; both front doors count in one series, told apart by ``api``.
+client's own exception types; both front doors count in one series, told apart by ``api``;
+the status page's state follows the traffic.
 """
 
 from __future__ import annotations
 
 import uuid
 
+import httpx
 import openai
 import pytest
 
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.http.conftest import ARCH, IMAGE_URL, image_message, outcomes
+from tests.http.conftest import ARCH, IMAGE_URL, image_message, outcomes, wait_for
 
 MAX_TOKENS = 12
 
@@ -187,3 +189,31 @@ def test_image_url_is_the_same_image_as_grpc_base64(http_stack, client, model) -
     )
     assert reply.choices[0].message.content == expected.text
     assert reply.usage.prompt_tokens_details.cached_tokens > 0  # the repeat hit the radix cache
+
+
+def test_status_page_state_follows_the_traffic(http_stack, client, model) -> None:
+    """``/dashboard/state`` samples what the gateway sees: requests/s by API, TTFT, transfer
+    GB/s (image rows moved), and every worker with its queues, blocks and KV slots."""
+
+    def busy_sample() -> dict | None:
+        client.chat.completions.create(
+            model=model, messages=[image_message(uuid.uuid4().hex)], max_tokens=2
+        )
+        grpc_greedy(http_stack, [image_message(uuid.uuid4().hex)], 2)
+        state = httpx.get(http_stack.http_url + "/dashboard/state").json()
+        for point in state["series"]:
+            rates = point["requests_per_s"]
+            if rates["http"] > 0 and rates["grpc"] > 0 and point["transfer_gb_s"] > 0:
+                return state | {"point": point}
+        return None
+
+    state = wait_for(busy_sample, 60, "a sample with both APIs and a transfer")
+    assert state["point"]["ttft_p50_ms"] > 0
+    assert state["point"]["ttft_p99_ms"] >= state["point"]["ttft_p50_ms"]
+    rows = {w["role"]: w for w in state["workers"]}
+    assert set(rows) == {"encoder", "language"} and not state["show_addresses"]
+    assert all(w["state"] == "healthy" and "address" not in w for w in state["workers"])
+    assert rows["encoder"]["blocks"]["total"] > 0 and rows["language"]["blocks"]["total"] > 0
+    assert rows["language"]["kv"]["total"] > 0 and rows["language"]["model"] == model
+    assert state["pools"] == {"encoder": {"healthy": 1, "total": 1},
+                              "language": {"healthy": 1, "total": 1}}  # fmt: skip

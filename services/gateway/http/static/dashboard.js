@@ -66,22 +66,33 @@ function fillTable(id, rows) {
     : [el("tr", { class: "empty" }, el("td", { colspan: "10", class: "muted" }, "no workers"))]));
 }
 
+function svgNode(tag, attrs) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, value);
+  return node;
+}
+
+// A small line chart of `series` (arrays of numbers or null, one per sample) in the SVG `id`.
 function chart(id, series, times) {
   const svg = document.getElementById(id);
   const values = series.flatMap((s) => s.filter((v) => v !== null));
   const top = Math.max(1e-9, ...values) * 1.1;
   const n = Math.max(times.length - 1, 1);
-  const lines = series.map((s, k) => {
+  const shapes = [];
+  series.forEach((s, k) => {
     const points = [];
     s.forEach((v, i) => {
-      if (v !== null) points.push(`${((300 * i) / n).toFixed(1)},${(90 - (90 * v) / top).toFixed(1)}`);
+      if (v === null) return;
+      const [x, y] = [((300 * i) / n).toFixed(1), (90 - (90 * v) / top).toFixed(1)];
+      points.push(`${x},${y}`);
+      if (s[i - 1] == null && s[i + 1] == null) {  // a lone point: a dot, or it would not show
+        const dot = svgNode("circle", { class: `s${k}`, cx: x, cy: y, r: "1.5" });
+        shapes.push(dot);
+      }
     });
-    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-    line.setAttribute("class", `s${k}`);
-    line.setAttribute("points", points.join(" "));
-    return line;
+    shapes.push(svgNode("polyline", { class: `s${k}`, points: points.join(" ") }));
   });
-  svg.replaceChildren(...lines);
+  svg.replaceChildren(...shapes);
   const axis = document.getElementById(id.replace("chart", "axis"));
   const span = times.length > 1 ? (times[times.length - 1] - times[0]) / 60 : 0;
   axis.replaceChildren(el("span", {}, `-${fmt(span, 1)} min`),
