@@ -21,6 +21,12 @@ function fmt(value, digits) {
   return Number(value).toLocaleString(undefined, { maximumFractionDigits: digits ?? 0 });
 }
 
+// Three significant digits, however small (a chart's maximum: 0.000412 GB/s, 1,190 ms).
+function sig(value) {
+  const v = Number(value);
+  return v === 0 || Math.abs(v) >= 100 ? fmt(v, 0) : Number(v.toPrecision(3)).toString();
+}
+
 function usage(part) {
   if (!part || !part.total) return "–";
   const bar = el("span", { class: "bar" }, el("b"));
@@ -96,7 +102,7 @@ function chart(id, series, times) {
   const axis = document.getElementById(id.replace("chart", "axis"));
   const span = times.length > 1 ? (times[times.length - 1] - times[0]) / 60 : 0;
   axis.replaceChildren(el("span", {}, `-${fmt(span, 1)} min`),
-    el("span", {}, `max ${fmt(values.length ? Math.max(...values) : 0, 3)}`), el("span", {}, "now"));
+    el("span", {}, `max ${sig(values.length ? Math.max(...values) : 0)}`), el("span", {}, "now"));
 }
 
 function render(state) {
