@@ -69,6 +69,7 @@ def test_fuzzing_the_openapi_schema_finds_no_error(http_stack, tmp_path: Path) -
             capture_output=True,
             text=True,
             timeout=480,
+            cwd=tmp_path,  # its cache directory goes there, not into the checkout
         )
         report = run.stdout[-6000:] + run.stderr[-2000:]
         assert run.returncode == 0, report
