@@ -1,7 +1,7 @@
 """The HTTP port's credentials, on a gateway served in-process (no workers needed): the public
 port's API keys (401 in OpenAI's shape, ``/health`` open, refusals counted), its TLS files
-(served over HTTPS, a renewed certificate picked up without a restart), and who sees worker
-addresses on the status page."""
+(served over HTTPS, a renewed certificate picked up without a restart), who sees worker
+addresses on the status page, and a served model name with slashes."""
 
 from __future__ import annotations
 
@@ -170,3 +170,13 @@ def test_busy_http_port_is_an_error_naming_it() -> None:
         port = busy.getsockname()[1]
         with pytest.raises(OSError, match=f"cannot bind HTTP port 127.0.0.1:{port}"):
             serve(GatewayConfig(port=0, registry_port=0, http_port=port))
+
+
+def test_a_served_name_with_slashes(start) -> None:
+    handle = start(served_model_name="Qwen/Qwen2.5-VL-7B-Instruct")
+    with httpx.Client(base_url=url(handle)) as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "Qwen/Qwen2.5-VL-7B-Instruct"
+        assert client.get("/v1/models/Qwen/Qwen2.5-VL-7B-Instruct").status_code == 200
+        assert client.get("/v1/models/Qwen/other").json()["error"]["code"] == "model_not_found"
+        spec = client.get("/openapi.json").json()
+        assert "/v1/models/{model}" in spec["paths"]

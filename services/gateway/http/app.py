@@ -157,7 +157,8 @@ def create_app(ctx: HttpContext) -> ASGIApp:
         data = [_model(name, ctx.started_at) for name in ctx.served_models()]
         return _json({"object": "list", "data": data})
 
-    @app.get("/v1/models/{model}", response_model=schemas.Model, responses=ERRORS)
+    # NOTE: ``:path`` so that a name with slashes ("Qwen/Qwen2.5-VL-7B-Instruct") is one name
+    @app.get("/v1/models/{model:path}", response_model=schemas.Model, responses=ERRORS)
     async def get_model(model: str) -> Response:
         """One served model; 404 ``model_not_found`` for any other name."""
         served = ctx.served_models()
