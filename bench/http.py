@@ -128,8 +128,8 @@ def _timed(fn: Callable[[], None]) -> float:
 def latency(http_door: HttpDoor, grpc_door: GrpcDoor, rounds: int) -> dict:
     """p50/p99 (ms) of each door, per kind of request, alternating; two warm-up rounds."""
     samples: dict[str, list[float]] = {}
-    for kind in KINDS:
-        for i in range(rounds + 2):
+    for i in range(rounds + 2):  # every round has every kind: load drift hits all alike
+        for kind in KINDS:
             pair = (("http", http_door), ("grpc", grpc_door))
             for name, door in pair if i % 2 else reversed(pair):
                 elapsed = _timed(getattr(door, kind))

@@ -169,6 +169,16 @@ def test_refusals_are_the_clients_exceptions(client, model) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=messages, n=3)
     assert info.value.body["param"] == "n"
+    # the test checkpoint's context is 32768 tokens: no language worker takes 32768 new ones
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=32768)
+    assert info.value.body["param"] == "max_tokens"
+    assert "max_tokens is 32768, but" in info.value.body["message"]
+    assert "max_seq_len" in info.value.body["message"]
+    long_prompt = [{"role": "user", "content": "word " * 300}]
+    with pytest.raises(openai.BadRequestError) as info:  # the language worker's own refusal
+        client.chat.completions.create(model=model, messages=long_prompt, max_tokens=32700)
+    assert "exceeds this worker's max_seq_len" in info.value.body["message"]
 
 
 def test_both_front_doors_count_in_one_series(http_stack, client, model) -> None:
