@@ -12,10 +12,13 @@ PYTEST_ARGS ?=
 setup: apt $(STAMP) proto
 
 # libibverbs1: Mooncake's transfer engine links it. prometheus: the metrics/dashboard tests.
+# chromium: the status page's test loads it in a headless browser. curl: `epd run`'s hint test.
 apt:
 	@missing=""; \
 	ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
 	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v curl >/dev/null || missing="$$missing curl"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

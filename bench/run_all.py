@@ -22,6 +22,7 @@ PARTS = (
     (f"language engine vs transformers, {BENCH}", ["-m", "bench.language", "--size", "bench"]),
     ("end to end through the gateway vs transformers", ["-m", "bench.e2e"]),
     (f"end to end vs transformers, {BENCH}", ["-m", "bench.e2e", "--size", "bench"]),
+    ("the HTTP front door vs gRPC, same gateway", ["-m", "bench.http"]),
 )
 
 

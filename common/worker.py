@@ -3,15 +3,17 @@
 ``WorkerConfig`` is nested in the encoder's and the language worker's configs (same flags, each
 under its role's env prefix); it nests the internal credentials (``common.internal``, env
 ``EPD_INTERNAL_*`` for every role). ``WorkerRuntime`` starts the heartbeat to the gateway's
-registry port (carrying what the worker's own ``GetLoad`` reply says, presenting the internal
-credentials) and the Prometheus endpoint, and stops both on shutdown.
+registry port (carrying what the worker's own ``GetLoad`` reply says and its ``info``: its
+served model name under ``"model"``, which the gateway's HTTP API lists in ``/v1/models``;
+presenting the internal credentials) and the Prometheus endpoint, and stops both on shutdown.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from common.cli_config import add_cli_args, field, from_cli_args
 from common.internal import (
@@ -40,6 +42,11 @@ class WorkerConfig:
     health_port: int = field(
         0, help="plaintext port serving only grpc.health.v1, for probes (0 = off)"
     )
+    served_model_name: str = field(
+        "",
+        help="the model name the gateway's HTTP API serves this checkpoint as ('' = the "
+        "checkpoint directory's name)",
+    )
     internal: InternalConfig = field(
         InternalConfig(), help="internal gRPC credentials (EPD_INTERNAL_*)"
     )
@@ -66,6 +73,9 @@ class WorkerRuntime:
         registry=None,
     ) -> None:
         self.address = f"{config.advertise_host or bind_host}:{port}"
+        info = dict(info or {})
+        if config.served_model_name:
+            info["model"] = config.served_model_name
         self._registrar: Registrar | None = None
         self._metrics = None
         if config.metrics_port and registry is not None:
@@ -99,10 +109,27 @@ def add_worker_arguments(parser: argparse.ArgumentParser, env_prefix: str) -> No
     add_cli_args(parser, TransferConfig, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
 
 
+@dataclass(frozen=True)
+class _Checkpoint:
+    """The service config's own ``model_path`` field, read the same way (flag, then env)."""
+
+    model_path: str = field("", help="checkpoint directory")
+
+
+def served_model_name(model_path: str) -> str:
+    """The default served name of a checkpoint: its directory's name."""
+    return Path(model_path).name if model_path else ""
+
+
 def worker_configs(args: argparse.Namespace, env_prefix: str) -> dict:
-    """``{"worker": WorkerConfig, "transfer": TransferConfig}`` to nest in a service config."""
+    """``{"worker": WorkerConfig, "transfer": TransferConfig}`` to nest in a service config.
+    The worker's served model name defaults to the checkpoint directory's name."""
+    worker = from_cli_args(WorkerConfig, args, env_prefix, internal=internal_config(args))
+    if not worker.served_model_name:
+        checkpoint = from_cli_args(_Checkpoint, args, env_prefix)
+        worker = replace(worker, served_model_name=served_model_name(checkpoint.model_path))
     return {
-        "worker": from_cli_args(WorkerConfig, args, env_prefix, internal=internal_config(args)),
+        "worker": worker,
         "transfer": from_cli_args(
             TransferConfig, args, TRANSFER_ENV_PREFIX, flag_prefix="transfer"
         ),

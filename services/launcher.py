@@ -3,13 +3,16 @@
 Each service is a separate process (``epd serve ROLE``) registering with the gateway. Once all
 are healthy and registered, a demo request with a generated image is streamed through the
 gateway and the answer and timing breakdown printed (a failed demo is one line, and the stack
-keeps serving); then it keeps serving until Ctrl-C (``--once``: exit after the demo, with status
-1 if it failed). Every child is stopped on the way out, and dies with it if it is killed.
+keeps serving), with a ``curl`` line for the OpenAI-compatible HTTP API (``--http-port``,
+default 8000) and the status page's address; then it keeps serving until Ctrl-C (``--once``:
+exit after the demo, with status 1 if it failed). Every child is stopped on the way out, and
+dies with it if it is killed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import tempfile
@@ -36,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-port", type=int, default=50051, help="the public API's port")
     parser.add_argument(
         "--registry-port", type=int, default=0, help="the worker registry's port (0: a free one)"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the OpenAI-compatible HTTP API and the status page /dashboard (0: off)",
     )
     parser.add_argument(
         "--metrics", action="store_true", help="expose Prometheus metrics on free ports (printed)"
@@ -94,6 +103,17 @@ def run_demo(gateway: str, max_tokens: int) -> bool:
     return True
 
 
+def http_hints(url: str, max_tokens: int) -> str:
+    """What to try on the HTTP API: a curl line and the status page."""
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": max_tokens}
+    )
+    return (
+        f"or, OpenAI-style: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{body}'\nstatus page: {url}/dashboard"
+    )
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -121,12 +141,17 @@ def run(args: argparse.Namespace) -> int:
             args.languages,
             gateway_port=args.gateway_port,
             registry_port=args.registry_port,
+            http_port=args.http_port or None,
+            # a local, open stack: its operator may see the workers' addresses on /dashboard
+            gateway_args=("--dashboard-show-addresses",) if args.http_port else (),
             metrics=args.metrics,
             startup_timeout_s=args.startup_timeout,
             on_progress=_say,
         )
         for name, port in stack.metrics_ports.items():
             _say(f"  metrics   {name:<12} http://127.0.0.1:{port}/metrics")
+        if stack.http_url:
+            _say(f"  http      {'gateway':<12} {stack.http_url} (OpenAI API, status page)")
         ok = run_demo(gateway, args.max_tokens)
         if args.once:
             return 0 if ok else 1
@@ -134,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
             f"\nserving on {gateway}, worker registry on {stack.registry_address} (Ctrl-C to "
             f"stop); try: epd generate --gateway {gateway} --prompt 'Hello'"
         )
+        if stack.http_url:
+            _say(http_hints(stack.http_url, args.max_tokens))
         while all(p.alive() for p in stack.procs):
             time.sleep(1.0)
         dead = [p for p in stack.procs if not p.alive()]

@@ -34,11 +34,20 @@ class LocalStack:
     registry_port: int = 0
     public: ChannelSecurity | None = None  # what the gateway's public port demands
     internal: ChannelSecurity | None = None  # what the registry and the workers demand
+    http_port: int = 0  # the gateway's HTTP API (OpenAI-compatible, /dashboard); 0: none
 
     @property
     def registry_address(self) -> str:
         """Where workers register and operators list them (the gateway's internal port)."""
         return f"127.0.0.1:{self.registry_port}"
+
+    @property
+    def http_url(self) -> str:
+        """The gateway's HTTP API (``http://127.0.0.1:PORT``); "" when it serves none."""
+        if not self.http_port:
+            return ""
+        scheme = "https" if self.public is not None and self.public.tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.http_port}"
 
     def workers(self) -> list:
         """The gateway's ``ListWorkers`` (``registry_pb2.WorkerInfo`` of every known worker)."""
@@ -96,11 +105,13 @@ def start_local_stack(
     registry_port: int = 0,
     public: ChannelSecurity | None = None,
     internal: ChannelSecurity | None = None,
+    http_port: int | None = None,
 ) -> S:
     """Start everything and return once all workers are healthy and registered.
 
-    ``gateway_port`` / ``registry_port`` 0 pick free ports. With ``metrics`` each process
-    serves Prometheus metrics on a free port. On any failure the processes already started are
+    ``gateway_port`` / ``registry_port`` 0 pick free ports. ``http_port``: the gateway's HTTP
+    API on that port (0: a free one; None: no HTTP API). With ``metrics`` each process serves
+    Prometheus metrics on a free port. On any failure the processes already started are
     stopped before the error propagates.
     """
     say = on_progress or (lambda _msg: None)
@@ -114,14 +125,20 @@ def start_local_stack(
 
     port = gateway_port or free_port()
     registry_port = registry_port or free_port()
+    http_args = []
+    if http_port is not None:
+        http_port = http_port or free_port()
+        http_args = ["--http-port", str(http_port)]
     gateway_cmd = ["serve", "gateway", "--port", str(port), "--registry-port",
-                   str(registry_port), *metrics_args("gateway"), *gateway_args]  # fmt: skip
+                   str(registry_port), *http_args, *metrics_args("gateway"),
+                   *gateway_args]  # fmt: skip
     stack = stack_cls(
         ServiceProcess("gateway", gateway_cmd, f"127.0.0.1:{port}", log_dir, env, public),
         metrics_ports=metrics_ports,
         registry_port=registry_port,
         public=public,
         internal=internal,
+        http_port=http_port or 0,
     )
     try:
         for role, count, group in (
@@ -138,7 +155,8 @@ def start_local_stack(
 
         def where(proc: ServiceProcess) -> str:
             if proc is stack.gateway:
-                return f"{proc.address} (worker registry {stack.registry_address})"
+                http = f", HTTP API {stack.http_url}" if stack.http_url else ""
+                return f"{proc.address} (worker registry {stack.registry_address}{http})"
             return proc.address
 
         for proc in stack.procs:

@@ -143,6 +143,20 @@ def panels() -> list[dict]:
             "Finished requests per second by outcome.",
         ),
         timeseries(
+            "Requests by front door",
+            [
+                target(f"sum by (api) ({rate('epd_gateway_requests_total')})", "{{api}}"),
+                target(
+                    "sum by (api) "
+                    f"""({rate('epd_gateway_requests_total{outcome!="OK"}')}) or on() vector(0)""",
+                    "{{api}} errors",
+                ),
+            ],
+            "reqps",
+            "Finished requests per second through the gRPC API and the OpenAI-compatible HTTP "
+            "API (api label), and those that did not end OK.",
+        ),
+        timeseries(
             "Time to first token",
             quantiles("epd_gateway_time_to_first_token_seconds"),
             "s",

@@ -1,8 +1,10 @@
 """Gateway configuration: one frozen dataclass, flags and ``EPD_GATEWAY_*`` environment.
 
 Surfaces: the public API on ``host:port`` (TLS and API keys when configured), the worker
-registry on ``registry_host:registry_port`` (internal credentials, ``EPD_INTERNAL_*``), and
-optionally ``grpc.health.v1`` alone in plaintext on ``health_port`` for probes.
+registry on ``registry_host:registry_port`` (internal credentials, ``EPD_INTERNAL_*``),
+optionally ``grpc.health.v1`` alone in plaintext on ``health_port`` for probes, and optionally
+the OpenAI-compatible HTTP API with the status page on ``http_host:http_port`` (the public
+port's TLS files and API keys).
 """
 
 from __future__ import annotations
@@ -57,6 +59,23 @@ class GatewayConfig:
         InternalConfig(), help="internal gRPC credentials (EPD_INTERNAL_*)"
     )
     # -- end of surfaces and credentials --
+    # -- HTTP front door: the OpenAI-compatible API and the status page (services/gateway/http)
+    http_port: int = field(
+        0, help="port of the OpenAI-compatible HTTP API and /dashboard (0 = off)"
+    )
+    http_host: str = field("", help="address the HTTP server binds ('' = host)")
+    served_model_name: str = field(
+        "", help="the model name of /v1/models ('' = the names the language workers report)"
+    )
+    dashboard: bool = field(True, help="serve the status page /dashboard on the HTTP port")
+    dashboard_show_addresses: bool = field(
+        False,
+        help="show worker addresses on /dashboard to callers without an API key (only when no "
+        "API keys are configured; a valid key always shows them)",
+    )
+    dashboard_sample_s: float = field(2.0, help="seconds between the status page's samples")
+    dashboard_history_s: float = field(600.0, help="seconds of samples the status page keeps")
+    # -- end of HTTP front door --
     metrics_port: int = field(0, help="Prometheus metrics HTTP port (0 = off)")
     encoders: tuple[str, ...] = field((), help="static encoder addresses host:port")
     languages: tuple[str, ...] = field((), help="static language-worker addresses host:port")
@@ -118,14 +137,21 @@ class GatewayConfig:
         return bool(self.api_keys_file or any(k.strip() for k in self.api_keys))
 
     def _check_surfaces(self) -> None:
-        for name in ("port", "registry_port", "health_port"):
+        names = ("port", "registry_port", "health_port", "http_port")
+        for name in names:
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
-        busy = [p for p in (self.port, self.registry_port, self.health_port) if p]
+        busy = [getattr(self, name) for name in names if getattr(self, name)]
         if len(busy) != len(set(busy)):
+            values = [str(getattr(self, name)) for name in names]
             raise ValueError(
-                f"port, registry_port and health_port must differ, got {self.port}, "
-                f"{self.registry_port} and {self.health_port}"
+                f"{', '.join(names[:-1])} and {names[-1]} must differ, got "
+                f"{', '.join(values[:-1])} and {values[-1]}"
+            )
+        if not 0 < self.dashboard_sample_s <= self.dashboard_history_s:
+            raise ValueError(
+                f"dashboard_sample_s ({self.dashboard_sample_s}) must be positive and at most "
+                f"dashboard_history_s ({self.dashboard_history_s})"
             )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("public TLS needs both --tls-cert-file and --tls-key-file")

@@ -1,10 +1,13 @@
-"""``epd serve gateway``: the public API and the worker registry, each on its own gRPC port.
+"""``epd serve gateway``: the public API and the worker registry, each on its own gRPC port,
+and optionally the OpenAI-compatible HTTP API with the status page on a port of its own.
 
 The public port serves ``epd.v1.Gateway``, health and reflection, with TLS and API keys when
-configured; ``Generate`` streams beyond the admission bound (``max_queued``) are refused with
-``RESOURCE_EXHAUSTED`` so health always answers. The registry port (``epd.v1.WorkerRegistry``,
-its own health and reflection) is internal: workers heartbeat there, with the internal
-credentials (``EPD_INTERNAL_*``) that the gateway also presents when it calls them.
+configured (the HTTP port takes the same files and keys; ``http/``); both front doors share one
+``frontdoor.FrontDoor``. ``Generate`` streams beyond the admission bound (``max_queued``) are
+refused with ``RESOURCE_EXHAUSTED`` so health always answers. The registry port
+(``epd.v1.WorkerRegistry``, its own health and reflection) is internal: workers heartbeat there,
+with the internal credentials (``EPD_INTERNAL_*``) that the gateway also presents when it calls
+them.
 
 ``serve(config)`` starts everything in-process and returns a ``GatewayServer``; a background
 thread polls every known worker's health and load and drops self-registered workers that went
@@ -18,6 +21,7 @@ import logging
 import threading
 from concurrent import futures
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health
@@ -41,11 +45,15 @@ from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_
 from services.gateway import workers as calls
 from services.gateway.admission import Admission, queue_full_message
 from services.gateway.config import ENV_PREFIX, GatewayConfig
+from services.gateway.frontdoor import Api, FrontDoor
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.registry import Role, WorkerRegistry
 from services.gateway.routing import create_policy
 from services.gateway.servicer import GatewayServicer, RegistryServicer
+
+if TYPE_CHECKING:
+    from services.gateway.http.server import HttpService
 
 logger = logging.getLogger(__name__)
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -93,31 +101,46 @@ class GatewayServer:
     registry_server: grpc.Server
     registry_port: int
     registry_health: health.HealthServicer
+    http: HttpService | None = None  # the HTTP front door, when http_port is set
+
+    @property
+    def http_port(self) -> int:
+        return self.http.server.port if self.http is not None else 0
 
     def stop(self, grace_s: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()
         self.registry_health.enter_graceful_shutdown()
+        if self.http is not None:
+            self.http.stop(grace_s)
         self.poller.stop()
         self.server.stop(grace_s).wait()
         self.registry_server.stop(grace_s).wait()
         self.registry.close()
 
 
+def api_keys(config: GatewayConfig) -> BearerKeys | None:
+    """The API keys of the public port and the HTTP port (None: no key needed)."""
+    if not config.requires_api_key:
+        return None
+    keys_file = SecretFile(config.api_keys_file) if config.api_keys_file else None
+    return BearerKeys(config.api_keys, keys_file)
+
+
 def public_security(
-    config: GatewayConfig, metrics: GatewayMetrics | None = None
+    config: GatewayConfig, metrics: GatewayMetrics | None = None, keys: BearerKeys | None = None
 ) -> ServerSecurity | None:
-    """TLS and/or API keys on the public port, as configured (None: plaintext, open). Requests
-    refused for want of a key count under ``UNAUTHENTICATED`` in ``metrics``."""
+    """TLS and/or API keys (``keys``, else read from ``config``) on the public port, as
+    configured (None: plaintext, open). Requests refused for want of a key count under
+    ``UNAUTHENTICATED`` in ``metrics``."""
     tls = ServerTLS(config.tls_cert_file, config.tls_key_file) if config.tls_cert_file else None
     auth = None
-    if config.requires_api_key:
-        keys_file = SecretFile(config.api_keys_file) if config.api_keys_file else None
+    keys = keys or api_keys(config)
+    if keys is not None:
 
         def count(method: str) -> None:
             if metrics is not None and method in LONG_METHODS:
-                metrics.requests.labels("UNAUTHENTICATED").inc()
+                metrics.finished("UNAUTHENTICATED", Api.GRPC.value)
 
-        keys = BearerKeys(config.api_keys, keys_file)
         auth = BearerAuthInterceptor(keys, "API key", on_refuse=count)
     return ServerSecurity(tls=tls, auth=auth) if tls or auth else None
 
@@ -158,36 +181,50 @@ def serve(config: GatewayConfig) -> GatewayServer:
         create_policy(config.language_policy, Role.LANGUAGE, config.affinity_slack),
         metrics,
     )
+    front_door = FrontDoor(config, admission, orchestrator, metrics)
     # The admission bound is the stream bound: the same refusal, whichever sees it first.
     capacity = StreamCapacity(
         config.max_queued,
         LONG_METHODS,
         who="gateway",
-        on_reject=lambda _method: metrics.requests.labels("RESOURCE_EXHAUSTED").inc(),
+        on_reject=lambda _method: metrics.finished("RESOURCE_EXHAUSTED", Api.GRPC.value),
         message=queue_full_message(config.max_queued),
     )
-    security = public_security(config, metrics)
-    server = create_server("epd-gateway", config.max_message_mb, capacity, security)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(config, admission, orchestrator, registry, metrics), server
-    )
-    port, health_servicer = start_server(
-        server, config.host, config.port, (GATEWAY_SERVICE,), health_port=config.health_port
-    )
+    keys = api_keys(config)
+    security = public_security(config, metrics, keys)
+    http = None
+    if config.http_port:  # first: it serves before gRPC health says SERVING
+        from services.gateway.http.server import start_http  # FastAPI only when asked for
+
+        tls = security.tls if security is not None else None
+        http = start_http(config, front_door, registry, keys, tls)
+    started: list = []
     try:
+        server = create_server("epd-gateway", config.max_message_mb, capacity, security)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(
+            GatewayServicer(config, front_door, registry), server
+        )
+        port, health_servicer = start_server(
+            server, config.host, config.port, (GATEWAY_SERVICE,), health_port=config.health_port
+        )
+        started.append(server)
         registry_server, registry_port, registry_health = _start_registry(config, registry)
     except BaseException:
-        server.stop(None)
+        for running in started:
+            running.stop(None)
+        if http is not None:
+            http.stop(0)
         raise
     poller = HealthPoller(registry, config.health_poll_s)
     logger.info(
-        "gateway public API on %s:%d (%s), worker registry on %s:%d (%s)",
+        "gateway public API on %s:%d (%s), worker registry on %s:%d (%s)%s",
         config.host,
         port,
         server.security.describe,
         config.registry_host or config.host,
         registry_port,
         registry_server.security.describe,
+        f", HTTP API on {http.server.url}" if http is not None else "",
     )
     return GatewayServer(
         server,
@@ -200,6 +237,7 @@ def serve(config: GatewayConfig) -> GatewayServer:
         registry_server,
         registry_port,
         registry_health,
+        http,
     )
 
 
@@ -232,6 +270,8 @@ def start(args: argparse.Namespace) -> Running:
         f"gateway listening on {config.host}:{handle.port} "
         f"(worker registry on {registry_host}:{handle.registry_port})"
     )
+    if handle.http is not None:
+        banner += f"; HTTP API on {handle.http.server.url}"
     return Running(handle.port, banner, stop, registry_port=handle.registry_port)
 
 

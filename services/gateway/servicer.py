@@ -1,7 +1,7 @@
 """Thin gRPC servicers of the gateway: the public API and the worker registry.
 
-Every public request is validated (``validation.validate_request``) before it is admitted, so a
-bad one costs no admission slot and is counted under its status like any other outcome.
+``Generate`` is the gRPC front door of ``frontdoor.FrontDoor`` (validation before admission,
+orchestration, outcome metrics with ``api="grpc"``); the HTTP app is the other one.
 A caller's identity (``caller_identity``) is the SHA-256 of its API key when it sends one
 (``authorization: Bearer KEY``), else its peer address; ``Abort`` reaches only the caller's own
 requests.
@@ -20,74 +20,57 @@ from protos.epd.v1 import (
     registry_pb2,
     registry_pb2_grpc,
 )
-from services.gateway.admission import Admission, DuplicateRequest, QueueFull
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.orchestrator import Orchestrator
+from services.gateway.frontdoor import Api, FrontDoor
 from services.gateway.registry import ROLES, Role, WorkerRegistry
 from services.gateway.routing import worker_problems
-from services.gateway.validation import RequestLimits, validate_request, validate_request_id
+from services.gateway.validation import validate_request_id
+
+
+def identity(authorization: str | None, peer: str) -> str:
+    """Who is calling: ``key:<sha256 of the bearer API key>`` when ``authorization`` is
+    ``Bearer KEY``, else ``peer:<peer>``. Both front doors name callers this way, so a key
+    owns its requests whichever door it uses."""
+    if authorization:
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()
+    return "peer:" + peer
 
 
 def caller_identity(context: grpc.ServicerContext) -> str:
-    """Who is calling: ``key:<sha256 of the bearer API key>``, else ``peer:<peer address>``."""
+    """The identity (``identity``) of a gRPC caller."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
-            scheme, _, token = value.strip().partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()
-    return "peer:" + context.peer()
+            return identity(value, context.peer())
+    return identity(None, context.peer())
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(
         self,
         config: GatewayConfig,
-        admission: Admission,
-        orchestrator: Orchestrator,
+        front_door: FrontDoor,
         registry: WorkerRegistry,
-        metrics: GatewayMetrics,
     ) -> None:
         self.config = config
-        self.admission = admission
-        self.orchestrator = orchestrator
+        self.front_door = front_door
+        self.admission = front_door.admission
         self.registry = registry
-        self.metrics = metrics
-        self.limits = RequestLimits.from_config(config)
+        self.limits = front_door.limits
 
     def Generate(self, request, context):  # noqa: N802
         try:
-            validate_request(request, self.limits)
+            admitted = self.front_door.admit(request, caller_identity(context), Api.GRPC)
         except GatewayError as exc:
-            self.metrics.requests.labels(exc.code.name).inc()
             context.abort(exc.code, exc.message)
+        if not context.add_callback(admitted.cancel):  # client gone or deadline: cancel both
+            admitted.cancel()
         try:
-            admitted = self.admission.admit(request.request_id, caller_identity(context))
-        except QueueFull as exc:
-            self.metrics.requests.labels("RESOURCE_EXHAUSTED").inc()
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except DuplicateRequest as exc:
-            self.metrics.requests.labels("ALREADY_EXISTS").inc()
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        context.add_callback(admitted.cancel)  # client gone or deadline: cancel both halves
-        remaining = context.time_remaining()
-        timeout_s = (
-            min(remaining, self.config.default_timeout_s)
-            if remaining
-            else (self.config.default_timeout_s)
-        )
-        outcome = "OK"
-        try:
-            yield from self.orchestrator.run(request, admitted, admitted.admitted_at + timeout_s)
+            yield from self.front_door.run(request, admitted, context.time_remaining(), Api.GRPC)
         except GatewayError as exc:
-            outcome = exc.code.name
             context.abort(exc.code, exc.message)
-        finally:
-            if not context.is_active() and outcome == "OK" and admitted.cancelled:
-                outcome = "CANCELLED"
-            self.metrics.requests.labels(outcome).inc()
-            self.admission.finish(admitted)
 
     def GenerateUnary(self, request, context):  # noqa: N802
         reply = gateway_pb2.GenerateResponse()

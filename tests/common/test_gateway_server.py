@@ -39,7 +39,8 @@ def request() -> gateway_pb2.GenerateRequest:
 
 def outcomes(handle) -> dict[str, float]:
     counter = handle.metrics.requests
-    return {code: counter.labels(code)._value.get() for code in ("UNAUTHENTICATED", "UNAVAILABLE")}
+    codes = ("UNAUTHENTICATED", "UNAVAILABLE")
+    return {code: counter.labels(code, "grpc")._value.get() for code in codes}
 
 
 def test_requests_without_a_key_are_refused_and_counted(gateway) -> None:

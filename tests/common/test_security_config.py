@@ -105,7 +105,7 @@ def test_gateway_surfaces(pki, monkeypatch) -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"port": 50052}, "port, registry_port and health_port must differ"),
+        ({"port": 50052}, "port, registry_port, health_port and http_port must differ"),
         ({"port": 0, "registry_port": 0, "health_port": 50051}, None),
         ({"registry_port": 70000}, "registry_port out of range: 70000"),
         ({"tls_cert_file": "a.crt"}, "needs both --tls-cert-file and --tls-key-file"),

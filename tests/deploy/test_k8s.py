@@ -217,7 +217,8 @@ def test_service_selectors_and_target_ports(objs: tuple[Obj, ...]) -> None:
 
 def test_probes_hit_the_health_port(objs: tuple[Obj, ...]) -> None:
     """Probes use the plaintext health-only port: kubelet gRPC probes speak neither TLS nor
-    bearer tokens, so they must not depend on the main port's credentials."""
+    bearer tokens, so they must not depend on the main port's credentials. The gateway's
+    readiness is its HTTP API's /health (open without a key; HTTPS when the gateway has TLS)."""
     for name, deployment in of_kind(objs, "Deployment").items():
         container = main_container(deployment)
         grpc_port = int(arg_value(container, "--port"))
@@ -226,6 +227,15 @@ def test_probes_hit_the_health_port(objs: tuple[Obj, ...]) -> None:
         assert container_ports(container)["health"] == health_port != grpc_port, name
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container[kind]
+            if name == "epd-gateway" and kind == "readinessProbe":
+                assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"httpGet"}
+                http_port = int(arg_value(container, "--http-port"))
+                assert container_ports(container)["http"] == http_port
+                assert probe["httpGet"]["port"] == "http" and probe["httpGet"]["path"] == "/health"
+                configmaps = of_kind(objs, "ConfigMap")
+                tls = "EPD_GATEWAY_TLS_CERT_FILE" in env_names(container, configmaps)
+                assert probe["httpGet"].get("scheme", "HTTP") == ("HTTPS" if tls else "HTTP")
+                continue
             assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, (name, kind)
             assert probe["grpc"]["port"] == health_port, f"{name} {kind} misses the health port"
         startup = container["startupProbe"]
@@ -313,6 +323,9 @@ def test_workers_reach_gateway_and_peers(objs: tuple[Obj, ...]) -> None:
     registry_port = int(arg_value(gateway, "--registry-port"))
     assert container_ports(gateway)["registry"] == registry_port
     assert registry_port != int(arg_value(gateway, "--port"))
+    public = {p["name"]: p for p in services["epd-gateway"]["spec"]["ports"]}
+    assert public["http"]["targetPort"] == "http"  # the HTTP API is exposed beside gRPC
+    assert container_ports(gateway)["http"] == int(arg_value(gateway, "--http-port"))
     for role in WORKERS:
         container = main_container(deployments[f"epd-{role}"])
         host, port = arg_value(container, "--gateway").rsplit(":", 1)

@@ -157,6 +157,7 @@ def test_only_workers_reach_the_registry_and_anyone_the_public_api(objs: tuple[O
         assert not allowed(objs, source, "epd-gateway", ports["registry"]), source
     for source in (OUTSIDE, Source("epd-encoder"), MONITOR):
         assert allowed(objs, source, "epd-gateway", ports["grpc"])
+        assert allowed(objs, source, "epd-gateway", ports["http"])
 
 
 def mooncake_range(objs: tuple[Obj, ...], role: str) -> tuple[int, int]:

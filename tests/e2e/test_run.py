@@ -1,8 +1,10 @@
-"""``epd run``: starts the whole stack, answers the demo request, and takes it all down on
-SIGTERM (nothing it started outlives it)."""
+"""``epd run``: starts the whole stack, answers the demo request, prints a ``curl`` line for
+the HTTP API that works as printed, and takes it all down on SIGTERM (nothing it started
+outlives it)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -50,7 +52,7 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> str:
 
 
 def test_run_answers_the_demo_and_stops_everything_on_sigterm(tmp_path: Path) -> None:
-    port, registry_port = free_port(), free_port()
+    port, registry_port, http_port = free_port(), free_port(), free_port()
     ports = (port, registry_port)
     epd = Path(sys.executable).parent / "epd"
     command = [str(epd)] if epd.exists() else [sys.executable, "-m", "services.cli"]
@@ -62,6 +64,8 @@ def test_run_answers_the_demo_and_stops_everything_on_sigterm(tmp_path: Path) ->
             str(port),
             "--registry-port",
             str(registry_port),
+            "--http-port",
+            str(http_port),
             "--log-dir",
             str(tmp_path),
         ],  # fmt: skip
@@ -71,10 +75,23 @@ def test_run_answers_the_demo_and_stops_everything_on_sigterm(tmp_path: Path) ->
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        out = _read_until(proc, "serving on", 240.0)
+        out = _read_until(proc, "status page:", 240.0)
         assert "answer:" in out and "finish:" in out, out[-3000:]
         assert "serving on" in out, out[-3000:]
         assert f"worker registry on 127.0.0.1:{registry_port}" in out, out[-3000:]
+        assert f"status page: http://127.0.0.1:{http_port}/dashboard" in out, out[-3000:]
+        # the curl line it prints works as printed
+        curl = next(line for line in out.splitlines() if "curl " in line)
+        reply = subprocess.run(
+            ["sh", "-c", curl[curl.index("curl ") :] + " --silent --max-time 60"],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        answer = json.loads(reply.stdout)
+        assert answer["object"] == "chat.completion", reply.stdout
+        assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+        assert answer["usage"]["completion_tokens"] >= 1
         assert len(_services_of(*ports)) == 3  # gateway, encoder, language
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0

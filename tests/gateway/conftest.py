@@ -13,6 +13,7 @@ import pytest
 from protos.epd.v1 import gateway_pb2_grpc, registry_pb2_grpc
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
+from services.gateway.frontdoor import FrontDoor
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.registry import Role, WorkerRegistry
@@ -53,8 +54,9 @@ def start_gateway(config: GatewayConfig | None = None) -> InProcessGateway:
         metrics,
     )
     server = grpc.server(futures.ThreadPoolExecutor(8), options=[("grpc.so_reuseport", 0)])
+    front_door = FrontDoor(config, admission, orchestrator, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(config, admission, orchestrator, registry, metrics), server
+        GatewayServicer(config, front_door, registry), server
     )
     registry_pb2_grpc.add_WorkerRegistryServicer_to_server(
         RegistryServicer(registry, config.heartbeat_interval_s), server

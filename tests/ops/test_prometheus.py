@@ -11,6 +11,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 
 from common.procs import free_port
@@ -87,7 +88,10 @@ class Prometheus:
 @pytest.fixture
 def scraped_stack(tiny_model_dir, stack_factory, tmp_path):
     stack = stack_factory(
-        tiny_model_dir("qwen2_5_vl"), metrics=True, env={"EPD_TRANSFER_DEFAULT_TOKENS": "128"}
+        tiny_model_dir("qwen2_5_vl"),
+        metrics=True,
+        http_port=0,
+        env={"EPD_TRANSFER_DEFAULT_TOKENS": "128"},
     )
     prom = Prometheus(stack.metrics_ports, tmp_path)
     yield stack, prom
@@ -104,11 +108,16 @@ def test_series_and_dashboard_queries_after_traffic(scraped_stack) -> None:
             client.generate("Describe the image.", [image], max_tokens=6, timeout=60)
         client.generate("What is this?", [png_bytes(noise_image(4, 112))], max_tokens=6, timeout=60)
         client.generate("Hello", max_tokens=6, timeout=60)
-    ok = prom.wait_for('sum(epd_gateway_requests_total{outcome="OK"})', lambda v: v == 4)
-    assert ok == 4
+    hello = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6}
+    reply = httpx.post(stack.http_url + "/v1/chat/completions", json=hello, timeout=60)
+    assert reply.status_code == 200, reply.text
+    ok = prom.wait_for('sum(epd_gateway_requests_total{outcome="OK"})', lambda v: v == 5)
+    assert ok == 5
     time.sleep(2.5)  # two more scrapes: every rate() window now holds the traffic
 
-    assert prom.value("sum(epd_gateway_time_to_first_token_seconds_count)") == 4
+    assert prom.value('sum(epd_gateway_requests_total{api="grpc"})') == 4
+    assert prom.value('sum(epd_gateway_requests_total{api="http"})') == 1
+    assert prom.value("sum(epd_gateway_time_to_first_token_seconds_count)") == 5
     assert prom.value('sum(epd_gateway_workers{state="healthy"})') == 2
     assert prom.value("epd_encoder_cache_hits_total") == 1
     assert prom.value("epd_encoder_cache_misses_total") == 2

@@ -1,0 +1,276 @@
+"""An OpenAI chat-completions body -> the gateway's ``GenerateRequest`` proto.
+
+The HTTP API is a translation: every message becomes one ``ChatMessage`` and every content part
+one ``ContentPart``, in order (a string content is one text part), so message ``i`` part ``j``
+of the JSON is message ``i`` part ``j`` of the proto. That 1:1 mapping is what lets
+``FieldNames`` name a field the gateway's validation refused by its JSON path.
+
+Checked here, with a 400 naming the JSON path: what only HTTP has (the shape of messages and
+parts, part types, image URL forms, ``n``, ``stream_options``, fields asking for something
+this server does not do) and values the proto cannot hold (negative or out-of-range integers).
+Every other bound is the gateway's validation's (``validation.validate_request``).
+
+Image URLs: a ``data:`` URL must be base64 (``data:image/png;base64,...``) and travels as
+``ImageSource.base64``; an ``http(s)`` URL travels as ``ImageSource.url`` and the encoders'
+URL policy decides (off by default). Sampling defaults are OpenAI's (temperature 1, top_p 1).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from protos.epd.v1 import common_pb2, gateway_pb2
+from services.gateway.http.errors import HttpError, invalid
+from services.gateway.http.schemas import ChatCompletionRequest
+from services.gateway.validation import RequestLimits
+
+MAX_UINT32 = (1 << 32) - 1
+MAX_INT32 = (1 << 31) - 1
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+ROLE_ALIASES = {"developer": "system"}
+REQUEST_ID_HEADER = "X-Request-Id"
+# A gRPC field path at the start of a validation message: "messages[2].content[0].image.data".
+FIELD_PATH = re.compile(
+    r"^(messages|sampling|request_id)((?:\[\d+\])?(?:\.[a-z_0-9]+(?:\[\d+\])?)*)"
+)
+SEGMENT = re.compile(r"\.?([a-z_0-9]+)(?:\[(\d+)\])?")
+SAMPLING_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+}
+
+
+@dataclass
+class FieldNames:
+    """Turns the gRPC field paths of validation messages into the request's JSON paths."""
+
+    max_tokens_name: str = "max_tokens"
+    string_contents: set[int] = field(default_factory=set)  # messages whose content is a str
+
+    def rewrite(self, message: str) -> tuple[str, str | None]:
+        """(``message`` in JSON terms, the JSON path it names or None)."""
+        match = FIELD_PATH.match(message)
+        if match is None:
+            return message, None
+        param = self.json_path(match.group(0))
+        rest = message[match.end() :].replace(" (0 = the server default)", "")
+        return param + rest, param
+
+    def json_path(self, path: str) -> str:
+        if path == "request_id":
+            return REQUEST_ID_HEADER
+        if path.startswith("sampling."):
+            name, _, rest = path[len("sampling.") :].partition("[")
+            json_name = self.max_tokens_name if name == "max_new_tokens" else SAMPLING_NAMES[name]
+            return json_name + (f"[{rest}" if rest else "")
+        out, message = [], -1
+        for name, index in SEGMENT.findall(path):
+            if name == "messages":
+                message = int(index) if index else -1
+                out.append(f"messages[{index}]" if index else "messages")
+            elif name == "content" and message in self.string_contents:
+                out.append("content")  # the string itself: no part index, no .text
+                break
+            elif name == "image":
+                out.append("image_url")
+            elif out and out[-1] == "image_url":
+                out.append("url")  # data, base64, path or url: the one URL it came as
+            else:
+                out.append(f"{name}[{index}]" if index else name)
+        return ".".join(out)
+
+
+def to_generate_request(
+    body: ChatCompletionRequest, request_id: str, limits: RequestLimits
+) -> tuple[gateway_pb2.GenerateRequest, FieldNames]:
+    """The proto of ``body`` and how to name its fields; raises ``HttpError`` (400)."""
+    _check_http_only(body)
+    _check_counts(body.messages, limits)
+    names = FieldNames()
+    messages = [_message(m, i, names) for i, m in enumerate(body.messages)]
+    request = gateway_pb2.GenerateRequest(
+        messages=messages, sampling=_sampling(body, limits, names), request_id=request_id
+    )
+    return request, names
+
+
+def _check_http_only(body: ChatCompletionRequest) -> None:
+    if body.n is not None and body.n != 1:
+        raise invalid(f"n must be 1 (one choice per request), got {body.n}", "n")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if body.logprobs:
+        raise invalid("logprobs is not supported", "logprobs")
+    if body.top_logprobs:
+        raise invalid("top_logprobs is not supported", "top_logprobs")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name):
+            raise invalid(f"{name} is not supported (only 0)", name)
+    if body.logit_bias:
+        raise invalid("logit_bias is not supported", "logit_bias")
+    if body.tools:
+        raise invalid("tools are not supported", "tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise invalid(
+            f"response_format type {body.response_format.get('type')!r} is not supported "
+            "(only 'text')",
+            "response_format",
+        )
+
+
+def _check_counts(messages: list[Any], limits: RequestLimits) -> None:
+    """The count bounds of validation, checked before any conversion work (same words)."""
+    if len(messages) > limits.max_messages:
+        raise invalid(
+            f"messages has {len(messages)} entries, more than the limit of {limits.max_messages}",
+            "messages",
+        )
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and len(content) > limits.max_parts_per_message:
+            raise invalid(
+                f"messages[{i}].content has {len(content)} parts, more than the limit of "
+                f"{limits.max_parts_per_message}",
+                f"messages[{i}].content",
+            )
+
+
+def _message(raw: Any, i: int, names: FieldNames) -> common_pb2.ChatMessage:
+    where = f"messages[{i}]"
+    if not isinstance(raw, dict):
+        raise invalid(f"{where} must be an object with role and content", where)
+    role = raw.get("role")
+    if not isinstance(role, str):
+        raise invalid(f"{where}.role must be a string (system, user or assistant)", f"{where}.role")
+    content = raw.get("content")
+    message = common_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role))
+    if isinstance(content, str):
+        names.string_contents.add(i)
+        message.content.add(text=content)
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            message.content.append(_part(part, f"{where}.content[{j}]"))
+    else:
+        raise invalid(
+            f"{where}.content must be a string or a list of content parts, got "
+            f"{_json_type(content)}",
+            f"{where}.content",
+        )
+    return message
+
+
+def _part(raw: Any, where: str) -> common_pb2.ContentPart:
+    if not isinstance(raw, dict):
+        raise invalid(f"{where} must be an object with a type", where)
+    kind = raw.get("type")
+    if kind == "text":
+        text = raw.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}.text must be a string", f"{where}.text")
+        return common_pb2.ContentPart(text=text)
+    if kind == "image_url":
+        image_url = raw.get("image_url")
+        url = image_url.get("url") if isinstance(image_url, dict) else None
+        if not isinstance(url, str):
+            raise invalid(
+                f"{where}.image_url must be an object with a string url", f"{where}.image_url"
+            )
+        return common_pb2.ContentPart(image=image_source(url, f"{where}.image_url.url"))
+    raise invalid(
+        f"{where}.type must be 'text' or 'image_url', got {kind!r}"
+        if kind is not None
+        else f"{where}.type is required ('text' or 'image_url')",
+        f"{where}.type",
+    )
+
+
+def image_source(url: str, where: str) -> common_pb2.ImageSource:
+    """A ``data:`` URL (base64) or an ``http(s)`` URL as an image source."""
+    scheme = url.partition(":")[0].lower() if ":" in url else ""
+    if scheme == "data":
+        header, comma, payload = url.partition(",")
+        if not comma or not header.lower().endswith(";base64"):
+            raise invalid(f"{where} must be a base64 data URL (data:image/png;base64,...)", where)
+        if not payload.strip():
+            raise invalid(f"{where} holds no image data", where)
+        return common_pb2.ImageSource(base64=url)
+    if scheme in ("http", "https"):
+        return common_pb2.ImageSource(url=url)
+    if not url:
+        raise invalid(f"{where} must not be empty", where)
+    got = f"scheme {scheme!r}" if scheme else "no scheme"
+    raise invalid(f"{where} must be a data: URL or an http(s) URL, got {got}", where)
+
+
+def _sampling(
+    body: ChatCompletionRequest, limits: RequestLimits, names: FieldNames
+) -> common_pb2.SamplingParams:
+    s = common_pb2.SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        ignore_eos=bool(body.ignore_eos),
+    )
+    name, value = "max_tokens", body.max_tokens
+    if body.max_completion_tokens is not None:
+        name, value = "max_completion_tokens", body.max_completion_tokens
+    names.max_tokens_name = name
+    if value is not None:
+        if value < 1:
+            raise invalid(f"{name} must be at least 1, got {value}", name)
+        if value > MAX_UINT32:
+            bound = limits.max_new_tokens_limit
+            raise invalid(f"{name} must be at most {bound}, got {value}", name)
+        s.max_new_tokens = value
+    if body.top_k is not None:
+        if not -MAX_INT32 <= body.top_k <= MAX_INT32:
+            raise invalid(f"top_k must be in [-1, {limits.max_top_k}], got {body.top_k}", "top_k")
+        s.top_k = body.top_k
+    if body.seed is not None:
+        if not MIN_SEED <= body.seed <= MAX_SEED:
+            raise invalid(f"seed must be in [{MIN_SEED}, {MAX_SEED}], got {body.seed}", "seed")
+        s.seed = body.seed & MAX_SEED  # a negative seed is its 64-bit two's complement
+    for i, token_id in enumerate(body.stop_token_ids or ()):
+        if not -MAX_INT32 <= token_id <= MAX_INT32:  # the gateway refuses negatives itself
+            raise invalid(
+                f"stop_token_ids[{i}] must be in [0, {MAX_INT32}], got {token_id}",
+                f"stop_token_ids[{i}]",
+            )
+    s.stop_token_ids.extend(body.stop_token_ids or ())
+    s.stop.extend(body.stop or ())
+    return s
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", bool: "a boolean", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def check_model(asked: str | None, served: list[str]) -> str:
+    """The model a request is served as: ``asked`` when it is one of ``served`` (or when no
+    name is known to check against), the served one when it asks for none."""
+    if not asked:
+        return served[0] if served else ""
+    if served and asked not in served:
+        raise model_not_found(asked, served)
+    return asked
+
+
+def model_not_found(asked: str, served: list[str]) -> HttpError:
+    serving = f"this server serves {', '.join(served)}" if served else "no model is served now"
+    return HttpError(
+        404,
+        f"The model {asked!r} does not exist; {serving}",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )

@@ -1,0 +1,105 @@
+"""The gateway's ``GenerateChunk``s -> OpenAI chat completion JSON and Server-Sent Events.
+
+A non-streamed answer is one ``chat.completion`` object. A streamed one is a sequence of
+``data: <chat.completion.chunk>`` events: the first delta carries the role, each further one
+the text the language worker produced (chunks with no text are skipped), the last one the
+finish reason; with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one
+more chunk with no choices carries the usage. The stream ends with ``data: [DONE]``; an error
+after the stream began is one ``data: {"error": ...}`` event before it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from protos.epd.v1 import common_pb2, gateway_pb2
+
+FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+DONE = b"data: [DONE]\n\n"
+
+
+def dumps(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def event(obj: dict) -> bytes:
+    """One Server-Sent Event carrying ``obj`` as JSON."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+def usage(u: gateway_pb2.Usage) -> dict:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+@dataclass(frozen=True)
+class Head:
+    """What every object of one answer shares."""
+
+    id: str
+    created: int
+    model: str
+
+
+def completion(head: Head, text: str, final: gateway_pb2.GenerateChunk) -> dict:
+    return {
+        "id": head.id,
+        "object": "chat.completion",
+        "created": head.created,
+        "model": head.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
+            }
+        ],
+        "usage": usage(final.usage),
+        "system_fingerprint": None,
+    }
+
+
+class ChunkWriter:
+    """The events of one streamed answer."""
+
+    def __init__(self, head: Head, include_usage: bool) -> None:
+        self.head = head
+        self.include_usage = include_usage
+        self._started = False
+
+    def _chunk(self, choices: list, **extra) -> bytes:
+        obj = {
+            "id": self.head.id,
+            "object": "chat.completion.chunk",
+            "created": self.head.created,
+            "model": self.head.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            obj["usage"] = None
+        obj.update(extra)
+        return event(obj)
+
+    def _delta(self, delta: dict, finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._chunk([choice])
+
+    def write(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
+        """The events of one chunk from the gateway (possibly none)."""
+        out = b""
+        if not self._started:
+            self._started = True
+            out += self._delta({"role": "assistant", "content": ""})
+        if chunk.text:
+            out += self._delta({"content": chunk.text})
+        if chunk.finish_reason:
+            out += self._delta({}, FINISH_REASONS.get(chunk.finish_reason, "stop"))
+            if self.include_usage:
+                out += self._chunk([], usage=usage(chunk.usage))
+        return out

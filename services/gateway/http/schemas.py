@@ -1,0 +1,258 @@
+"""The HTTP API's JSON shapes (OpenAI's chat completions, models, errors) as pydantic models.
+
+They serve two purposes: FastAPI parses request bodies with them, and ``/openapi.json`` is
+generated from them. Parsing checks JSON types only; every bound is checked once, by the
+gateway's own validation of the ``GenerateRequest`` the body becomes (``convert.py``), so the
+HTTP and gRPC APIs refuse the same requests with the same words. The fixed bounds appear in the
+schema for clients and fuzzers (``json_schema_extra``), without being enforced twice.
+``messages`` is parsed by ``convert.py`` as well (each message, part and image URL is checked
+there with an error naming its path); its OpenAPI schema is the precise one below.
+
+Responses are built as plain dicts (``convert.py``) for speed; their models here document them.
+Unknown request fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+
+from services.gateway.validation import MAX_TEMPERATURE
+
+MAX_SEED = (1 << 64) - 1
+
+# ---- requests ----------------------------------------------------------------------------
+
+TEXT_PART = {
+    "type": "object",
+    "title": "TextPart",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+IMAGE_PART = {
+    "type": "object",
+    "title": "ImagePart",
+    "properties": {
+        "type": {"const": "image_url"},
+        "image_url": {
+            "type": "object",
+            "properties": {
+                "url": {
+                    "type": "string",
+                    "description": "a data: URL (data:image/png;base64,...), or an http(s) URL "
+                    "when the encoders allow remote images",
+                },
+                "detail": {"type": "string", "description": "accepted and ignored"},
+            },
+            "required": ["url"],
+        },
+    },
+    "required": ["type", "image_url"],
+}
+MESSAGE = {
+    "type": "object",
+    "title": "ChatMessage",
+    "properties": {
+        "role": {
+            "type": "string",
+            "enum": ["system", "user", "assistant", "developer"],
+            "description": "developer is taken as system",
+        },
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"anyOf": [TEXT_PART, IMAGE_PART]}, "minItems": 1},
+            ]
+        },
+        "name": {"type": "string", "description": "accepted and ignored"},
+    },
+    "required": ["role", "content"],
+}
+MESSAGES_SCHEMA = {"type": "array", "items": MESSAGE, "minItems": 1}
+
+
+def _one_or_list(value: Any) -> Any:
+    """``stop``: a string is a list of one."""
+    return [value] if isinstance(value, str) else value
+
+
+StopList = Annotated[
+    list[str] | None,
+    BeforeValidator(_one_or_list),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions``. Omitted sampling fields take OpenAI's defaults
+    (temperature 1, top_p 1); ``temperature: 0`` is greedy decoding."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    messages: Annotated[list[Any], WithJsonSchema(MESSAGES_SCHEMA)]
+    model: str | None = Field(None, description="the served model ('' or omitted: that one)")
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
+    max_completion_tokens: int | None = Field(
+        None, description="wins over max_tokens", json_schema_extra={"minimum": 1}
+    )
+    temperature: float | None = Field(
+        None,
+        description="0 = greedy; otherwise at least 0.01",
+        json_schema_extra={"minimum": 0, "maximum": MAX_TEMPERATURE},
+    )
+    top_p: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})
+    seed: int | None = Field(None, json_schema_extra={"minimum": -(1 << 63), "maximum": MAX_SEED})
+    stop: StopList = None
+    n: int | None = Field(
+        None, description="only 1", json_schema_extra={"minimum": 1, "maximum": 1}
+    )
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # Extensions, as SGLang and vLLM accept them.
+    top_k: int | None = Field(
+        None, description="extension: 0 or -1 = off", json_schema_extra={"minimum": -1}
+    )
+    ignore_eos: bool | None = Field(None, description="extension: decode past EOS")
+    stop_token_ids: (
+        list[Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0})]] | None
+    ) = Field(None, description="extension: stop at these ids")
+    # Accepted for compatibility; refused unless they ask for nothing this server cannot do.
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class Choice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One Server-Sent Event's data (``data: {...}``); the stream ends with ``data: [DONE]``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class PoolHealth(BaseModel):
+    healthy: int
+    total: int
+
+
+class Health(BaseModel):
+    status: Literal["ok", "stopping"]
+    workers: dict[str, PoolHealth]
+
+
+# One Server-Sent Event of a streamed answer (``text/event-stream``), as OpenAPI 3.2 describes
+# events: its data is a ChatCompletionChunk, an error, or the final [DONE].
+CHAT_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "anyOf": [
+                {"const": "[DONE]"},
+                {
+                    "type": "string",
+                    "contentMediaType": "application/json",
+                    "contentSchema": {
+                        "anyOf": [
+                            {"$ref": "#/components/schemas/ChatCompletionChunk"},
+                            {"$ref": "#/components/schemas/ErrorResponse"},
+                        ]
+                    },
+                },
+            ]
+        },
+        "event": {"const": "message"},
+    },
+}

@@ -1,0 +1,166 @@
+"""The HTTP layer's pure translations, without a server: gRPC field paths into JSON paths,
+chunks into OpenAI's objects and events (checked against the published models), gRPC statuses
+into HTTP ones, and the status page's percentile."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from protos.epd.v1 import common_pb2, gateway_pb2
+from services.gateway.errors import GatewayError
+from services.gateway.http import schemas
+from services.gateway.http.convert import FieldNames, to_generate_request
+from services.gateway.http.dashboard import percentile, worker_id
+from services.gateway.http.errors import STATUS, from_gateway
+from services.gateway.http.replies import ChunkWriter, Head, completion
+from services.gateway.validation import RequestLimits
+
+
+@pytest.mark.parametrize(
+    "message, param, rewritten",
+    [
+        ("sampling.temperature must be x", "temperature", "temperature must be x"),
+        ("sampling.max_new_tokens must be at most 5 (0 = the server default), got 6",
+         "max_completion_tokens", "max_completion_tokens must be at most 5, got 6"),
+        ("sampling.stop[1] must not be empty", "stop[1]", "stop[1] must not be empty"),
+        ("messages[0].content[1].image.base64 is 9 characters",
+         "messages[0].content[1].image_url.url",
+         "messages[0].content[1].image_url.url is 9 characters"),
+        ("messages[2].content[0].image is image 3", "messages[2].content[0].image_url",
+         "messages[2].content[0].image_url is image 3"),
+        ("messages[1].content[0].text brings the text to", "messages[1].content",
+         "messages[1].content brings the text to"),
+        ("messages[0].content[0].text brings the text to", "messages[0].content[0].text",
+         "messages[0].content[0].text brings the text to"),
+        ("messages[3].role must be", "messages[3].role", "messages[3].role must be"),
+        ("messages has 5 entries", "messages", "messages has 5 entries"),
+        ("request_id must be printable", "X-Request-Id", "X-Request-Id must be printable"),
+        ("image 0: not an image", None, "image 0: not an image"),
+    ],
+)  # fmt: skip
+def test_field_paths_become_json_paths(message: str, param: str | None, rewritten: str) -> None:
+    names = FieldNames(max_tokens_name="max_completion_tokens", string_contents={1})
+    assert names.rewrite(message) == (rewritten, param)
+
+
+def test_body_becomes_the_same_proto_a_grpc_client_sends() -> None:
+    body = schemas.ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}},
+                        {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+                        {"type": "text", "text": "What?"},
+                    ],
+                },
+            ],
+            "max_tokens": 7,
+            "seed": -1,
+            "stop": "END",
+            "top_k": 5,
+            "ignore_eos": True,
+            "stop_token_ids": [3],
+            "user": "ignored",
+        }
+    )
+    request, names = to_generate_request(body, "rid", RequestLimits())
+    expected = gateway_pb2.GenerateRequest(
+        request_id="rid",
+        messages=[
+            common_pb2.ChatMessage(
+                role="system", content=[common_pb2.ContentPart(text="Be brief.")]
+            ),
+            common_pb2.ChatMessage(
+                role="user",
+                content=[
+                    common_pb2.ContentPart(
+                        image=common_pb2.ImageSource(base64="data:image/png;base64,QUJD")
+                    ),
+                    common_pb2.ContentPart(image=common_pb2.ImageSource(url="https://x/y.png")),
+                    common_pb2.ContentPart(text="What?"),
+                ],
+            ),
+        ],
+        sampling=common_pb2.SamplingParams(
+            max_new_tokens=7,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=5,
+            seed=(1 << 64) - 1,
+            stop=["END"],
+            stop_token_ids=[3],
+            ignore_eos=True,
+        ),  # fmt: skip
+    )
+    assert request == expected
+    assert names.string_contents == {0} and names.max_tokens_name == "max_tokens"
+
+
+def final_chunk() -> gateway_pb2.GenerateChunk:
+    return gateway_pb2.GenerateChunk(
+        text="!",
+        token_ids=[9],
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        usage=gateway_pb2.Usage(prompt_tokens=10, cached_tokens=4, completion_tokens=3),
+    )
+
+
+def test_events_are_openai_chunks_and_skip_empty_deltas() -> None:
+    head = Head("chatcmpl-x", 123, "m")
+    chunks = [gateway_pb2.GenerateChunk(text="He", token_ids=[1]),
+              gateway_pb2.GenerateChunk(text="", token_ids=[2]), final_chunk()]  # fmt: skip
+    for include_usage in (False, True):
+        writer = ChunkWriter(head, include_usage)
+        raw = b"".join(writer.write(c) for c in chunks)
+        events = [json.loads(e[len(b"data: ") :]) for e in raw.split(b"\n\n") if e]
+        for e in events:
+            schemas.ChatCompletionChunk.model_validate(e)
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert deltas == [{"role": "assistant", "content": ""}, {"content": "He"},
+                          {"content": "!"}, {}]  # fmt: skip
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+        if include_usage:
+            assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 13
+            assert all(e["usage"] is None for e in events[:-1])
+        else:
+            assert all("usage" not in e for e in events)
+
+
+def test_completion_matches_its_model() -> None:
+    obj = completion(Head("chatcmpl-x", 1, "m"), "He!", final_chunk())
+    parsed = schemas.ChatCompletion.model_validate(obj)
+    assert parsed.choices[0].message.content == "He!"
+    assert parsed.choices[0].finish_reason == "length"
+    assert obj["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
+def test_status_mapping() -> None:
+    want = {
+        grpc.StatusCode.INVALID_ARGUMENT: 400,
+        grpc.StatusCode.UNAUTHENTICATED: 401,
+        grpc.StatusCode.NOT_FOUND: 404,
+        grpc.StatusCode.ALREADY_EXISTS: 409,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+        grpc.StatusCode.UNAVAILABLE: 503,
+        grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    }
+    assert {code: STATUS[code][0] for code in want} == want
+    error = from_gateway(GatewayError(grpc.StatusCode.INTERNAL, "boom"))
+    assert (error.status, error.type, error.code) == (500, "server_error", "internal")
+    error = from_gateway(GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"))
+    assert error.headers() == {"retry-after": "1"} and error.body()["error"]["message"] == "full"
+
+
+def test_percentile_and_worker_names() -> None:
+    assert percentile([], 0.5) is None
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([float(i) for i in range(1, 101)], 0.99) == 99.0
+    assert worker_id("10.0.0.1:5", "encoder") == worker_id("10.0.0.1:5", "encoder")
+    assert worker_id("10.0.0.1:5", "encoder") != worker_id("10.0.0.2:5", "encoder")
+    assert "10.0.0.1" not in worker_id("10.0.0.1:5", "encoder")
