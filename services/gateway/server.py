@@ -8,7 +8,14 @@ credentials (``EPD_INTERNAL_*``) that the gateway also presents when it calls th
 
 ``serve(config)`` starts everything in-process and returns a ``GatewayServer``; a background
 thread polls every known worker's health and load and drops self-registered workers that went
-silent.
+silent. A dropped worker's channel closes only once the calls on it ended
+(``lingering.LingeringChannel``), so a worker that deregisters to drain finishes its streams.
+
+Readiness (``common.drain.READINESS``) turns SERVING ``ready_delay_s`` after start-up, once the
+workers had time to find this gateway. On SIGTERM the gateway drains (``GatewayServer.drain``):
+readiness NOT_SERVING, the public port takes no new call (clients get GOAWAY and reconnect to
+another gateway; the client with several addresses moves on), the streams in flight run to
+their end, up to ``drain_timeout_s``; the registry port serves to the end.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -41,6 +49,7 @@ from protos.epd.v1 import gateway_pb2, gateway_pb2_grpc, registry_pb2, registry_
 from services.gateway import workers as calls
 from services.gateway.admission import Admission
 from services.gateway.config import ENV_PREFIX, GatewayConfig
+from services.gateway.lingering import LingeringChannel
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.registry import Role, WorkerRegistry
@@ -83,7 +92,7 @@ class HealthPoller:
 
 @dataclass
 class GatewayServer:
-    server: grpc.Server
+    server: Server
     port: int
     registry: WorkerRegistry
     admission: Admission
@@ -93,8 +102,30 @@ class GatewayServer:
     registry_server: grpc.Server
     registry_port: int
     registry_health: health.HealthServicer
+    ready_timer: threading.Timer | None = None
+
+    def drain(self, deadline: float) -> bool:
+        """Take no new request and wait for the streams in flight until ``deadline``
+        (``time.monotonic``); True when they all ended."""
+        start = time.monotonic()
+        if self.ready_timer is not None:
+            self.ready_timer.cancel()
+        self.server.readiness.drain()
+        num_streams = self.admission.num_in_flight
+        done = self.server.stop_accepting(max(0.0, deadline - start))
+        logger.info("draining: %d streams in flight, up to %.0f s", num_streams, deadline - start)
+        drained = done.wait(max(0.0, deadline - time.monotonic()))
+        took = time.monotonic() - start
+        if drained:
+            logger.info("drained in %.1f s", took)
+        else:
+            left = self.admission.num_in_flight
+            logger.warning("drain timeout after %.1f s with %d streams in flight", took, left)
+        return drained
 
     def stop(self, grace_s: float = 2.0) -> None:
+        if self.ready_timer is not None:
+            self.ready_timer.cancel()
         self.health.enter_graceful_shutdown()
         self.registry_health.enter_graceful_shutdown()
         self.poller.stop()
@@ -143,7 +174,9 @@ def serve(config: GatewayConfig) -> GatewayServer:
     worker_security = channel_security(config.internal)
     registry = WorkerRegistry(
         config.worker_expiry_s,
-        lambda address: calls.create_channel(address, config.max_message_mb, worker_security),
+        lambda address: LingeringChannel(
+            calls.create_channel(address, config.max_message_mb, worker_security)
+        ),
     )
     for address in config.encoders:
         registry.add_static(address, Role.ENCODER)
@@ -172,7 +205,12 @@ def serve(config: GatewayConfig) -> GatewayServer:
         GatewayServicer(config, admission, orchestrator, registry, metrics), server
     )
     port, health_servicer = start_server(
-        server, config.host, config.port, (GATEWAY_SERVICE,), health_port=config.health_port
+        server,
+        config.host,
+        config.port,
+        (GATEWAY_SERVICE,),
+        health_port=config.health_port,
+        ready=config.ready_delay_s <= 0,
     )
     try:
         registry_server, registry_port, registry_health = _start_registry(config, registry)
@@ -180,6 +218,11 @@ def serve(config: GatewayConfig) -> GatewayServer:
         server.stop(None)
         raise
     poller = HealthPoller(registry, config.health_poll_s)
+    ready_timer = None
+    if config.ready_delay_s > 0:
+        ready_timer = threading.Timer(config.ready_delay_s, server.readiness.set, (True,))
+        ready_timer.daemon = True
+        ready_timer.start()
     logger.info(
         "gateway public API on %s:%d (%s), worker registry on %s:%d (%s)",
         config.host,
@@ -200,6 +243,7 @@ def serve(config: GatewayConfig) -> GatewayServer:
         registry_server,
         registry_port,
         registry_health,
+        ready_timer,
     )
 
 
@@ -232,7 +276,14 @@ def start(args: argparse.Namespace) -> Running:
         f"gateway listening on {config.host}:{handle.port} "
         f"(worker registry on {registry_host}:{handle.registry_port})"
     )
-    return Running(handle.port, banner, stop, registry_port=handle.registry_port)
+    return Running(
+        handle.port,
+        banner,
+        stop,
+        registry_port=handle.registry_port,
+        drain=handle.drain,
+        drain_timeout_s=config.drain_timeout_s,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
