@@ -144,13 +144,19 @@ class LocalStack:
         raise TimeoutError(f"workers not registered with every gateway: {sorted(want)}")
 
     def start_worker(
-        self, role: str, extra_args: tuple[str, ...] = (), timeout_s: float = 180.0
+        self,
+        role: str,
+        extra_args: tuple[str, ...] = (),
+        timeout_s: float = 180.0,
+        wait: bool = True,
     ) -> ServiceProcess:
-        """One more worker of ``role`` (``encoder`` | ``language``), registered with every
-        gateway; returns once it is healthy (not waiting for the gateways to list it)."""
+        """One more worker of ``role`` (``encoder`` | ``language``) that registers with every
+        gateway; with ``wait``, returns once it is healthy (not waiting for the gateways to list
+        it)."""
         assert self.launch is not None, "a stack made by start_local_stack"
         proc = _worker(self, role, extra_args)
-        proc.wait_healthy(timeout_s)
+        if wait:
+            proc.wait_healthy(timeout_s)
         return proc
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
