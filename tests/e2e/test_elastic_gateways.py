@@ -119,6 +119,39 @@ def test_sigkill_a_gateway_under_load(tiny_model_dir, stack_factory) -> None:
         assert reply.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+def test_sigterm_a_gateway_drains_its_streams(tiny_model_dir, stack_factory) -> None:
+    """A gateway's rollout: its streams run to their end, new requests move to the other
+    gateway, and it exits by itself (status 0) within its drain timeout."""
+    stack = stack_factory(
+        tiny_model_dir(ARCH), num_gateways=2, gateway_args=("--drain-timeout-s", "60")
+    )
+    a, b = stack.gateways
+    small = png_bytes(noise_image(2, 112))
+    with GatewayClient(a.address) as only_a, GatewayClient([a.address, b.address]) as both:
+        with ThreadPoolExecutor(16) as pool:
+            streams = []
+            for i in range(8):
+                out = Timed()
+                out.future = pool.submit(timed_stream, only_a, f"S {i}", [small] * (i % 2), out)
+                streams.append(out)
+            wait_for(lambda: all(o.chunk_times for o in streams), 60, "a streaming")
+            sigterm_at = time.monotonic()
+            a.kill(signal.SIGTERM)
+            new = [
+                pool.submit(both.generate, f"New {i}", [small] * (i % 2), max_tokens=4)
+                for i in range(6)
+            ]
+            assert all(f.result(120).finish_reason == common_pb2.FINISH_REASON_LENGTH for f in new)
+            for out in streams:
+                out.future.result(120)
+    assert [o.code for o in streams] == [grpc.StatusCode.OK] * len(streams)
+    assert all(o.finish_reason == common_pb2.FINISH_REASON_LENGTH for o in streams)
+    assert a.proc.wait(70) == 0
+    assert time.monotonic() - sigterm_at < 60
+    assert "drained in" in a.log_path.read_text(), a.tail()
+    stack.wait_no_leaks()
+
+
 def test_epd_run_starts_several_gateways(tiny_model_dir, tmp_path: Path) -> None:
     """``epd run --gateways 2``: each gateway's public and registry address is printed, the
     demo answers through them, and ``--once`` takes everything down."""
