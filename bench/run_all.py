@@ -15,6 +15,7 @@ PARTS = (
     ("encoder: batching and embedding cache", ["-m", "bench.encoder"]),
     ("language engine vs transformers", ["-m", "bench.language"]),
     ("end to end through the gateway vs transformers", ["-m", "bench.e2e"]),
+    ("elastic: 1 vs 2 gateways, rolling restarts under load", ["-m", "bench.elastic"]),
 )
 
 

@@ -4,7 +4,8 @@ Used by ``epd run``, the benchmarks and the end-to-end tests, so all of them sta
 the same way: ``epd serve ROLE`` children that register by heartbeat with the registry port of
 *every* gateway (``--gateway`` lists them all). Each gateway gets two ports: the public API and
 the worker registry (free ports unless given). ``start_worker`` adds a worker to a running stack
-(the scale-up path); a worker stopped with SIGTERM drains and leaves every gateway.
+(the scale-up path); a worker stopped with SIGTERM drains and leaves every gateway;
+``restart_gateway`` restarts a gateway in place (it drains first).
 
 Memory: every language worker sizes its KV pool as a fraction of the host's free memory, and
 here they share one host with the encoders. Unless the caller sizes the pool itself (flags or
@@ -77,7 +78,8 @@ class LocalStack:
     public: ChannelSecurity | None = None  # what the gateways' public ports demand
     internal: ChannelSecurity | None = None  # what the registries and the workers demand
     launch: WorkerLaunch | None = None
-    num_started: dict[str, int] = field(default_factory=dict)  # workers ever started, by role
+    num_started: dict[str, int] = field(default_factory=dict)  # processes ever started, by role
+    gateway_args: list[list[str]] = field(default_factory=list)  # each gateway's command line
 
     @property
     def gateway(self) -> ServiceProcess:
@@ -158,6 +160,31 @@ class LocalStack:
         if wait:
             proc.wait_healthy(timeout_s)
         return proc
+
+    def restart_gateway(self, index: int, timeout_s: float = 180.0) -> ServiceProcess:
+        """Restart gateway ``index`` in place: SIGTERM (it drains its streams), wait until it
+        exited, start it again on the same ports, and return once every live worker is
+        registered with it again (they heartbeat the same address)."""
+        assert self.launch is not None, "a stack made by start_local_stack"
+        old = self.gateways[index]
+        old.kill(signal.SIGTERM)
+        old.proc.wait(timeout_s)
+        old.stop()
+        restarts = self.num_started.get("gateway-restart", 0) + 1
+        self.num_started["gateway-restart"] = restarts
+        name = f"{old.name}-r{restarts}"
+        new = ServiceProcess(
+            name,
+            self.gateway_args[index],
+            old.address,
+            self.launch.log_dir,
+            self.launch.env,
+            self.public,
+        )
+        self.gateways[index] = new
+        new.wait_healthy(timeout_s)
+        self.wait_registered(timeout_s)
+        return new
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to every process at once (each drains: nothing is in flight at teardown, so
@@ -253,6 +280,7 @@ def start_local_stack(
                 metrics_args = ["--metrics-port", str(stack.metrics_ports[name])]
             cmd = ["serve", "gateway", "--port", str(port), "--registry-port", str(registry),
                    *metrics_args, *gateway_args]  # fmt: skip
+            stack.gateway_args.append(cmd)
             address = f"127.0.0.1:{port}"
             stack.gateways.append(ServiceProcess(name, cmd, address, log_dir, env, public))
         for role, count in (("encoder", num_encoders), ("language", num_languages)):
