@@ -41,9 +41,9 @@ from .types import RoomStatus
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
-# Rooms the encoder still owes a language worker.
+# Rooms not done with: being encoded, waiting for blocks, held by the sender.
 UNFINISHED = (RoomStatus.QUEUED, RoomStatus.ENCODED, RoomStatus.SUBMITTED)
-SENDER_RECHECK_S = (0.01, 0.2)  # first and longest wait between looks at the sender's rooms
+RECHECK_S = (0.01, 0.2)  # first and longest wait between looks at the sender's rooms
 
 
 def serve(
@@ -106,36 +106,35 @@ def start(args: argparse.Namespace) -> Running:
 
 
 def wait_until_idle(service: EncoderService, deadline: float) -> bool:
-    """Until no accepted room is unfinished and the sender holds no room (True), or
-    ``deadline`` (``time.monotonic``) passes (False).
+    """Until the encoder owes no language worker anything (True), or ``deadline``
+    (``time.monotonic``) passes (False).
 
-    Each unfinished room is awaited on the room table's condition. NOTE: the sender signals no
-    event when its last room ends; its rooms outlive the table's only by a write's
-    acknowledgement or a receiver's abort, so it is looked at again after short, growing waits.
+    No room is accepted any more (``Encode`` is refused), so the rooms unfinished now are all
+    there is; each is awaited on the room table's condition until it is shipped or failed. A
+    room whose language worker has not asked for it yet is awaited too: a receiver short of
+    blocks sends its init late, and the sender's own bootstrap timeout ends a room that nobody
+    asks for. NOTE: the sender signals no event when its last room ends; its rooms outlive the
+    table's only by a write's acknowledgement or a receiver's abort, so it is looked at again
+    after short, growing waits.
     """
-    wait_s = SENDER_RECHECK_S[0]
-    first = True
-    while True:
-        rooms = [room for status in UNFINISHED for room in service.rooms.rooms_with(status)]
-        if first:
-            logger.info("draining: %d accepted rooms to finish", len(rooms))
-            first = False
-        for room in rooms:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                service.wait(room, RoomStatus.SHIPPED, left)
-            except UnknownRoom:
-                pass
-        if not rooms and not service.sender.stats().get("rooms_active"):
-            return True
+    rooms = [room for status in UNFINISHED for room in service.rooms.rooms_with(status)]
+    logger.info("draining: %d accepted rooms to finish", len(rooms))
+    for room in rooms:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        if not rooms:
-            time.sleep(min(wait_s, left))
-            wait_s = min(2 * wait_s, SENDER_RECHECK_S[1])
+        try:
+            service.wait(room, RoomStatus.SHIPPED, left)
+        except UnknownRoom:
+            pass
+    wait_s = RECHECK_S[0]
+    while service.sender.stats().get("rooms_active"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(wait_s, left))
+        wait_s = min(2 * wait_s, RECHECK_S[1])
+    return True
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,16 +35,21 @@ class Timed:
     """One streamed request: when each chunk came, and how it ended."""
 
     chunk_times: list[float] = field(default_factory=list)
+    chunks: list = field(default_factory=list)  # gateway_pb2.GenerateChunk
     code: grpc.StatusCode = grpc.StatusCode.OK
     details: str = ""
     finish_reason: int = 0
     future: Future | None = None
 
 
-def timed_stream(client: GatewayClient, prompt: str, images: list[bytes], out: Timed) -> Timed:
+def timed_stream(
+    client: GatewayClient, prompt: str, images: list[bytes], out: Timed, **sampling: object
+) -> Timed:
+    """Stream one request into ``out`` (``STREAM`` sampling unless given)."""
     try:
-        for chunk in client.generate_stream(prompt, images, timeout=120, **STREAM):
+        for chunk in client.generate_stream(prompt, images, timeout=120, **(sampling or STREAM)):
             out.chunk_times.append(time.monotonic())
+            out.chunks.append(chunk)
             out.finish_reason = chunk.finish_reason or out.finish_reason
     except grpc.RpcError as exc:
         out.code, out.details = exc.code(), exc.details() or ""
