@@ -4,8 +4,9 @@ One stack on 127.0.0.1 (the demo checkpoint): two gateways in front of the same 
 language workers, every worker registered with both.
 
 1. Requests/s at concurrency 32 through one gateway vs both gateways (half the clients on each),
-   side by side in one run: the two set-ups alternate for ``--rounds`` rounds per workload and
-   the median of each is reported, so drift on a shared machine hits both alike.
+   side by side in one run: the two set-ups alternate for a few rounds per workload and the
+   median of each is reported, so drift on a shared machine hits both alike. The gateways' CPU
+   time per request (from ``/proc``) says how many requests/s one gateway core can relay.
 2. Failed requests during a scripted rolling restart of each pool under a steady load
    (concurrency ``--load-concurrency``, mixed text and image requests, clients that know every
    gateway, as a Service would): encoders, then language workers, one at a time like a
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import signal
 import statistics
 import sys
@@ -76,11 +78,28 @@ def one(client: GatewayClient, prompt: str, images: list[bytes]) -> None:
 # ---- 1. one gateway vs two ------------------------------------------------------------------
 
 
-def requests_per_s(gateways: list[str], workload: Workload, num: int, seed: int) -> float:
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of the processes ``pids`` so far (``/proc/PID/stat``)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of the line)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Run:
+    requests_per_s: float
+    gateway_cpu_ms: float  # CPU time of all gateway processes per request
+
+
+def drive(stack: LocalStack, gateways: list[str], workload: Workload, num: int, seed: int) -> Run:
     """``num`` requests at concurrency 32, spread evenly over ``gateways``."""
     clients = [GatewayClient(address) for address in gateways]
+    pids = [g.proc.pid for g in stack.gateways]
     try:
         with ThreadPoolExecutor(CONCURRENCY) as pool:
+            cpu = cpu_seconds(pids)
             start = time.perf_counter()
             futures = [
                 pool.submit(one, clients[i % len(clients)], *workload.make(seed + i))
@@ -88,7 +107,8 @@ def requests_per_s(gateways: list[str], workload: Workload, num: int, seed: int)
             ]
             for future in futures:
                 future.result()
-            return num / (time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            return Run(num / elapsed, (cpu_seconds(pids) - cpu) / num * 1e3)
     finally:
         for client in clients:
             client.close()
@@ -98,23 +118,28 @@ def scale_out(stack: LocalStack, rounds: int, num: int) -> list[dict]:
     rows = []
     both, first = stack.gateway_addresses, stack.gateway_addresses[:1]
     for w, workload in enumerate(WORKLOADS):
-        requests_per_s(both, workload, CONCURRENCY, 10_000_000 * (w + 1))  # warm-up
-        one_gw, two_gw = [], []
+        drive(stack, both, workload, CONCURRENCY, 10_000_000 * (w + 1))  # warm-up
+        one_gw: list[Run] = []
+        two_gw: list[Run] = []
         for r in range(rounds):
             seed = 1_000_000 * (w + 1) + 2 * r * num
-            one_gw.append(requests_per_s(first, workload, num, seed))
-            two_gw.append(requests_per_s(both, workload, num, seed + num))
-        one_median, two_median = statistics.median(one_gw), statistics.median(two_gw)
+            one_gw.append(drive(stack, first, workload, num, seed))
+            two_gw.append(drive(stack, both, workload, num, seed + num))
+        one_rps = statistics.median(run.requests_per_s for run in one_gw)
+        two_rps = statistics.median(run.requests_per_s for run in two_gw)
         rows.append(
             {
                 "workload": workload.name,
                 "num_requests": num,
                 "rounds": rounds,
-                "one_gateway_rps": one_median,
-                "two_gateways_rps": two_median,
-                "ratio": two_median / one_median,
-                "one_gateway_all": one_gw,
-                "two_gateways_all": two_gw,
+                "one_gateway_rps": one_rps,
+                "two_gateways_rps": two_rps,
+                "ratio": two_rps / one_rps,
+                "gateway_cpu_ms_per_request": statistics.median(
+                    run.gateway_cpu_ms for run in one_gw + two_gw
+                ),
+                "one_gateway_all": [run.requests_per_s for run in one_gw],
+                "two_gateways_all": [run.requests_per_s for run in two_gw],
             }
         )
     return rows
@@ -269,13 +294,19 @@ def format_table(result: dict) -> str:
         f"workers, {result['max_new_tokens']} new tokens per request",
         f"requests/s at concurrency {result['concurrency']}, median of the rounds "
         "(1 and 2 gateways alternate):",
-        f"{'workload':<16}{'reqs':>6}{'rounds':>8}{'1 gateway':>11}{'2 gateways':>12}{'ratio':>8}",
+        f"{'workload':<16}{'reqs':>6}{'rounds':>8}{'1 gateway':>11}{'2 gateways':>12}{'ratio':>8}"
+        f"{'gateway CPU/req':>17}",
     ]
     for r in result["scale_out"]:
         lines.append(
             f"{r['workload']:<16}{r['num_requests']:>6}{r['rounds']:>8}"
             f"{r['one_gateway_rps']:>11.2f}{r['two_gateways_rps']:>12.2f}{r['ratio']:>7.2f}x"
+            f"{r['gateway_cpu_ms_per_request']:>14.2f} ms"
         )
+    lines.append(
+        f"(this host has {os.cpu_count()} cores for every process of the stack: a second gateway "
+        "only adds throughput where the first one's core is the bottleneck)"
+    )
     lines.append("rolling restart of each pool under steady load (goal: 0 failed):")
     lines.append(f"{'pool':<10}{'replaced':>9}{'seconds':>9}{'requests':>10}{'failed':>8}")
     for r in result["rolling_restarts"]:
