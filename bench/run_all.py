@@ -23,6 +23,7 @@ PARTS = (
     ("end to end through the gateway vs transformers", ["-m", "bench.e2e"]),
     (f"end to end vs transformers, {BENCH}", ["-m", "bench.e2e", "--size", "bench"]),
     ("the HTTP front door vs gRPC, same gateway", ["-m", "bench.http"]),
+    ("elastic: 1 vs 2 gateways, rolling restarts under load", ["-m", "bench.elastic"]),
 )
 
 

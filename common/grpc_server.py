@@ -3,18 +3,26 @@
 ``create_server`` builds a server whose thread pool has room for its long calls plus a reserve
 (``common.stream_capacity``: long calls beyond the bound get ``RESOURCE_EXHAUSTED``, so health,
 ``GetLoad``, ``Abort`` and ``Cancel`` never wait behind streams), with optional security
-(``ServerSecurity``: TLS and/or a bearer-secret interceptor; ``grpc.health.v1`` stays open).
+(``ServerSecurity``: TLS and/or a bearer-secret interceptor; ``grpc.health.v1`` stays open) and
+a drain gate on its work methods (``common.drain.DrainGate``).
 ``start_server`` adds health and reflection, binds and starts; with a ``health_port`` it also
 serves ``grpc.health.v1`` alone, in plaintext, on a side server of its own (kubelet gRPC probes
-speak neither TLS nor bearer tokens), which stops with the main one.
+speak neither TLS nor bearer tokens), which stops with the main one. Health answers liveness
+(``""``) and readiness (``common.drain.READINESS``) apart.
+
+``serve_until_terminated`` is the main thread of ``epd serve ROLE``: the first SIGTERM/SIGINT
+starts the role's drain (``Running.drain``, bounded by ``Running.drain_timeout_s``) and stops
+once it is over; a second signal stops at once.
 
 Ports are exclusive (``grpc.so_reuseport`` off): a busy port is an ``OSError`` naming it.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -24,9 +32,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.auth import BearerAuthInterceptor
+from common.drain import DrainGate, Readiness
 from common.stream_capacity import StreamCapacity, StreamCapacityInterceptor
 from common.tls import ServerTLS
 
+logger = logging.getLogger(__name__)
 HEALTH_THREADS = 2
 
 
@@ -48,7 +58,8 @@ class ServerSecurity:
 
 
 class Server(grpc.Server):
-    """A ``grpc.Server`` that remembers its security and stops its health side server."""
+    """A ``grpc.Server`` that remembers its security, gates its work methods for a drain,
+    reports readiness and stops its health side server."""
 
     def __init__(
         self,
@@ -56,11 +67,14 @@ class Server(grpc.Server):
         name: str,
         security: ServerSecurity | None,
         capacity: StreamCapacityInterceptor | None,
+        gate: DrainGate | None = None,
     ) -> None:
         self._inner = inner
         self.name = name
         self.security = security or ServerSecurity()
         self.capacity = capacity
+        self.gate = gate  # None: no work methods to refuse while draining
+        self.readiness: Readiness | None = None  # set by start_server
         self.health_server: grpc.Server | None = None
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers):
@@ -81,6 +95,12 @@ class Server(grpc.Server):
     def stop(self, grace: float | None) -> threading.Event:
         if self.health_server is not None:
             self.health_server.stop(grace)
+        return self._inner.stop(grace)
+
+    def stop_accepting(self, grace: float) -> threading.Event:
+        """Stop the main port only: no new calls (clients get GOAWAY and reconnect elsewhere),
+        the calls in flight go on for up to ``grace`` seconds; the health side server keeps
+        answering probes. The event is set once every call ended."""
         return self._inner.stop(grace)
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
@@ -107,17 +127,23 @@ def create_server(
     max_message_mb: int,
     capacity: StreamCapacity,
     security: ServerSecurity | None = None,
+    work_methods: Sequence[str] = (),
 ) -> Server:
     """A server whose messages may be ``max_message_mb`` large (images are MBs), running at most
-    ``capacity.max_streams`` long calls on a pool of ``capacity.num_threads`` threads."""
+    ``capacity.max_streams`` long calls on a pool of ``capacity.num_threads`` threads.
+
+    ``work_methods`` (full names) are the calls a drain refuses and waits for."""
     interceptors: list[grpc.ServerInterceptor] = []
     if security is not None and security.auth is not None:
         interceptors.append(security.auth)  # first: refused calls take no stream slot
+    gate = DrainGate(work_methods, capacity.who) if work_methods else None
+    if gate is not None:
+        interceptors.append(gate)  # before the bound: a refused call takes no stream slot
     bound = StreamCapacityInterceptor(capacity) if capacity.methods else None
     if bound is not None:
         interceptors.append(bound)
     inner = _grpc_server(capacity.num_threads, f"{name}-rpc", max_message_mb, interceptors)
-    return Server(inner, name, security, bound)
+    return Server(inner, name, security, bound, gate)
 
 
 def _bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
@@ -139,11 +165,14 @@ def start_server(
     port: int,
     service_names: Sequence[str],
     health_port: int = 0,
+    ready: bool = True,
 ) -> tuple[int, health.HealthServicer]:
-    """Add grpc.health.v1 and reflection, bind, start; every service reports SERVING.
+    """Add grpc.health.v1 and reflection, bind, start. Liveness (``""``) reports SERVING;
+    readiness and ``service_names`` too, unless ``ready`` is False (``server.readiness.set``
+    turns them on later).
 
-    Returns the bound port (``port`` 0 picks one) and the health servicer (for draining; it
-    also answers on ``health_port`` when that is set).
+    Returns the bound port (``port`` 0 picks one) and the health servicer (it also answers on
+    ``health_port`` when that is set).
     """
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -164,28 +193,57 @@ def start_server(
     server.start()
     if server.health_server is not None:
         server.health_server.start()
-    for name in ("", *service_names):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    server.readiness = Readiness(health_servicer, service_names)
+    server.readiness.set(ready)
     return bound, health_servicer
 
 
 @dataclass(frozen=True)
 class Running:
     """A started service (``start(args)`` of a server module): its port, a line that says where
-    it listens, and how to stop everything it started. A gateway also has its registry port."""
+    it listens, how to drain it and how to stop everything it started. A gateway also has its
+    registry port.
+
+    ``drain(deadline)`` (``time.monotonic`` clock) stops taking new work and returns once the
+    work in flight is done (True) or at the deadline (False); ``stop()`` then ends the rest."""
 
     port: int
     banner: str
     stop: Callable[[], object]
     registry_port: int = 0
+    drain: Callable[[float], bool] | None = None
+    drain_timeout_s: float = 0.0
 
 
 def serve_until_terminated(running: Running) -> int:
-    """The main thread of ``epd serve ROLE``: announce, block until SIGINT/SIGTERM, stop."""
+    """The main thread of ``epd serve ROLE``: announce, block until SIGINT/SIGTERM, drain (up to
+    ``running.drain_timeout_s``; a second signal cuts it short), stop."""
     print(running.banner, flush=True)
-    done = threading.Event()
+    signalled = threading.Event()
+    proceed = threading.Event()  # the drain is over, or a second signal came
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if signalled.is_set():
+            logger.warning("%s again: stopping now", signal.Signals(signum).name)
+            proceed.set()
+        signalled.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+        signal.signal(sig, on_signal)
+    signalled.wait()
+    if running.drain is not None and running.drain_timeout_s > 0:
+        deadline = time.monotonic() + running.drain_timeout_s
+
+        def drain() -> None:
+            try:
+                running.drain(deadline)
+            except Exception:  # the stop below still runs
+                logger.exception("drain failed")
+            finally:
+                proceed.set()
+
+        threading.Thread(target=drain, name="drain", daemon=True).start()
+        proceed.wait()
     running.stop()
     return 0

@@ -1,21 +1,31 @@
-"""What every worker process has besides its own service: registration, metrics, credentials.
+"""What every worker process has besides its own service: registration, metrics, credentials,
+and the drain.
 
 ``WorkerConfig`` is nested in the encoder's and the language worker's configs (same flags, each
 under its role's env prefix); it nests the internal credentials (``common.internal``, env
-``EPD_INTERNAL_*`` for every role). ``WorkerRuntime`` starts the heartbeat to the gateway's
-registry port (carrying what the worker's own ``GetLoad`` reply says and its ``info``: its
-served model name under ``"model"``, which the gateway's HTTP API lists in ``/v1/models``;
-presenting the internal credentials) and the Prometheus endpoint, and stops both on shutdown.
+``EPD_INTERNAL_*`` for every role). ``WorkerRuntime`` starts the heartbeats to every gateway's
+registry port (``common.registration.Registrar``: carrying what the worker's own ``GetLoad``
+reply says and its ``info``: its served model name under ``"model"``, which the gateway's HTTP
+API lists in ``/v1/models``; presenting the internal credentials) and the Prometheus endpoint,
+and stops both on shutdown.
+
+``drain_worker`` is a worker's answer to SIGTERM, in this order: readiness NOT_SERVING; leave
+every gateway (heartbeats stop, ``Deregister``: no new request is routed here); a short settle for
+calls already on their way; refuse new work (``UNAVAILABLE``, "draining"); wait for the work in
+flight (the server's work calls, then the role's own ``until_idle``) or the deadline.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.cli_config import add_cli_args, field, from_cli_args
+from common.grpc_server import Server
 from common.internal import (
     InternalConfig,
     add_internal_arguments,
@@ -23,15 +33,32 @@ from common.internal import (
     internal_config,
 )
 from common.load_figures import LoadReply
-from common.registration import Registrar
+from common.registration import Registrar, parse_gateways
 from common.transfer.config import ENV_PREFIX as TRANSFER_ENV_PREFIX
 from common.transfer.config import TransferConfig
+
+logger = logging.getLogger(__name__)
+# NOTE: a gateway may have routed a request here just before it processed our Deregister; that
+# call is on its way. New work is still taken this long after leaving, so it is served, not
+# refused (a refused language request would fail, not move on).
+DEREGISTER_SETTLE_S = 0.5
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     gateway: str = field(
-        "", help="the gateway's registry address host:port to register with ('' = static list only)"
+        "",
+        help="registry addresses host:port of the gateways to register with, comma-separated; "
+        "a name stands for every address it resolves to (a headless Service of the gateway "
+        "pods), re-resolved every gateway_resolve_interval_s ('' = static list only)",
+    )
+    gateway_resolve_interval_s: float = field(
+        2.0, help="seconds between resolutions of the names in gateway (new gateways, gone ones)"
+    )
+    drain_timeout_s: float = field(
+        50.0,
+        help="on SIGTERM, seconds to finish the work in flight after leaving the gateways, then "
+        "exit (keep it under the pod's terminationGracePeriodSeconds; 0 = exit at once)",
     )
     advertise_host: str = field(
         "", help="address the gateway reaches this worker at ('' = the bind host)"
@@ -54,13 +81,22 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.heartbeat_interval_s <= 0:
             raise ValueError("capacity and heartbeat_interval_s must be positive")
+        if self.gateway_resolve_interval_s <= 0:
+            raise ValueError(
+                "gateway_resolve_interval_s must be positive, got "
+                f"{self.gateway_resolve_interval_s}"
+            )
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        parse_gateways(self.gateway)
         for name in ("metrics_port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
 
 
 class WorkerRuntime:
-    """Heartbeat + metrics endpoint of one worker; ``stop()`` deregisters first."""
+    """Heartbeats + metrics endpoint of one worker; ``leave()`` deregisters from every gateway,
+    ``stop()`` does that (if not done) and stops the metrics endpoint."""
 
     def __init__(
         self,
@@ -92,13 +128,58 @@ class WorkerRuntime:
                 info,
                 config.heartbeat_interval_s,
                 security=channel_security(config.internal),
+                resolve_interval_s=config.gateway_resolve_interval_s,
             ).start()
 
-    def stop(self) -> None:
+    @property
+    def gateways(self) -> list[str]:
+        """The gateway registries heartbeated now."""
+        return self._registrar.targets if self._registrar is not None else []
+
+    def leave(self) -> None:
+        """Stop heartbeating and deregister from every gateway (idempotent)."""
         if self._registrar is not None:
             self._registrar.stop()
+
+    def stop(self) -> None:
+        self.leave()
         if self._metrics is not None:
             self._metrics.shutdown()
+
+
+def drain_worker(
+    server: Server,
+    runtime: WorkerRuntime,
+    deadline: float,
+    until_idle: Callable[[float], bool] | None = None,
+) -> bool:
+    """A worker's drain (see the module docstring); True when its work ended before
+    ``deadline`` (``time.monotonic``). ``until_idle(deadline)`` waits for the role's work that
+    outlives its calls (an encoder's rooms)."""
+    start = time.monotonic()
+    if server.readiness is not None:
+        server.readiness.drain()
+    gateways = runtime.gateways
+    runtime.leave()
+    time.sleep(max(0.0, min(DEREGISTER_SETTLE_S, deadline - time.monotonic())))
+    if server.gate is not None:
+        server.gate.close()
+        logger.info(
+            "draining: left %d gateways; %d calls in flight, up to %.0f s",
+            len(gateways),
+            server.gate.num_in_flight,
+            max(0.0, deadline - time.monotonic()),
+        )
+    idle = server.gate.wait_idle(deadline) if server.gate is not None else True
+    if idle and until_idle is not None:
+        idle = until_idle(deadline)
+    took = time.monotonic() - start
+    if idle:
+        logger.info("drained in %.1f s", took)
+    else:
+        calls = server.gate.num_in_flight if server.gate is not None else 0
+        logger.warning("drain timeout after %.1f s with %d calls in flight: stopping", took, calls)
+    return idle
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, env_prefix: str) -> None:

@@ -1,12 +1,13 @@
-"""``epd run``: the whole stack on 127.0.0.1 — a gateway, N encoders, M language workers.
+"""``epd run``: the whole stack on 127.0.0.1 — G gateways, N encoders, M language workers.
 
-Each service is a separate process (``epd serve ROLE``) registering with the gateway. Once all
-are healthy and registered, a demo request with a generated image is streamed through the
-gateway and the answer and timing breakdown printed (a failed demo is one line, and the stack
-keeps serving), with a ``curl`` line for the OpenAI-compatible HTTP API (``--http-port``,
-default 8000) and the status page's address; then it keeps serving until Ctrl-C (``--once``:
-exit after the demo, with status 1 if it failed). Every child is stopped on the way out, and
-dies with it if it is killed.
+Each service is a separate process (``epd serve ROLE``); every worker registers with every
+gateway. Once all are healthy and registered, every gateway's public and registry address is
+printed, a demo request with a generated image is streamed through the gateways (the client
+takes them all and moves on from one that is unavailable) and the answer and timing breakdown
+printed (a failed demo is one line, and the stack keeps serving), with a ``curl`` line for the
+OpenAI-compatible HTTP API (``--http-port``, default 8000) and the status page's address; then
+it keeps serving until Ctrl-C (``--once``: exit after the demo, with status 1 if it failed).
+Every child is stopped on the way out, and dies with it if it is killed.
 """
 
 from __future__ import annotations
@@ -34,11 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_ARCH,
         help="architecture of the generated demo model",
     )
+    parser.add_argument("--gateways", type=int, default=1, help="gateway processes")
     parser.add_argument("--encoders", type=int, default=1)
     parser.add_argument("--languages", type=int, default=1)
-    parser.add_argument("--gateway-port", type=int, default=50051, help="the public API's port")
     parser.add_argument(
-        "--registry-port", type=int, default=0, help="the worker registry's port (0: a free one)"
+        "--gateway-port", type=int, default=50051, help="the first gateway's public port"
+    )
+    parser.add_argument(
+        "--registry-port",
+        type=int,
+        default=0,
+        help="the first gateway's worker registry port (0: a free one; other gateways: free)",
     )
     parser.add_argument(
         "--http-port",
@@ -73,8 +80,9 @@ def demo_image():
     return image
 
 
-def run_demo(gateway: str, max_tokens: int) -> bool:
-    """Stream the demo request through ``gateway``; False (said in one line) when it failed."""
+def run_demo(gateway: str | list[str], max_tokens: int) -> bool:
+    """Stream the demo request through ``gateway`` (one address or several); False (said in one
+    line) when it failed."""
     import io
 
     import grpc
@@ -121,6 +129,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     from common.models.tiny import ensure_tiny_model
 
+    for name in ("gateways", "encoders", "languages"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.model_path is None:
         _say(f"preparing the demo checkpoint ({args.arch}) ...")
         args.model_path = ensure_tiny_model(args.arch, "demo")
@@ -128,7 +139,6 @@ def run(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="epd-run-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     _say(f"logs:  {log_dir}")
-    gateway = f"127.0.0.1:{args.gateway_port}"
     stack = None
     # SIGTERM (a supervisor, `kill`) stops the stack like Ctrl-C does: the services run in
     # sessions of their own, so without this they would outlive us.
@@ -147,17 +157,20 @@ def run(args: argparse.Namespace) -> int:
             metrics=args.metrics,
             startup_timeout_s=args.startup_timeout,
             on_progress=_say,
+            num_gateways=args.gateways,
         )
         for name, port in stack.metrics_ports.items():
             _say(f"  metrics   {name:<12} http://127.0.0.1:{port}/metrics")
         if stack.http_url:
             _say(f"  http      {'gateway':<12} {stack.http_url} (OpenAI API, status page)")
-        ok = run_demo(gateway, args.max_tokens)
+        gateways = stack.gateway_addresses
+        ok = run_demo(gateways, args.max_tokens)
         if args.once:
             return 0 if ok else 1
         _say(
-            f"\nserving on {gateway}, worker registry on {stack.registry_address} (Ctrl-C to "
-            f"stop); try: epd generate --gateway {gateway} --prompt 'Hello'"
+            f"\nserving on {', '.join(gateways)}, worker registry on "
+            f"{', '.join(stack.registry_addresses)} (Ctrl-C to stop); try: epd generate "
+            f"--gateway {','.join(gateways)} --prompt 'Hello'"
         )
         if stack.http_url:
             _say(http_hints(stack.http_url, args.max_tokens))

@@ -1,8 +1,9 @@
-"""``epd ray up``: the gateway and both pools as Ray actors.
+"""``epd ray up``: the gateways and both pools as Ray actors.
 
 Each actor serves its role in-process, exactly as ``epd serve ROLE`` does, and the workers
-register with the gateway by heartbeat — the same path as on Kubernetes, so the gateway needs no
-list of addresses. Actors are restarted by Ray when they die (``max_restarts``); a restarted
+register with every gateway by heartbeat (``--gateways N``: each worker's ``--gateway`` lists
+all their registries) — the same path as on Kubernetes, so no gateway needs a list of
+addresses. Actors are restarted by Ray when they die (``max_restarts``); a restarted
 worker registers again and the gateway takes it back. Resources per role are flags
 (``--encoder-gpus`` etc.). On an existing cluster (``--address``) the actors are detached and
 named in the ``epd`` namespace, so they outlive this command; locally the command keeps the
@@ -33,19 +34,18 @@ class ServiceActor:
             argv = [*argv, "--host", "0.0.0.0"]
             if role != "gateway":
                 argv += ["--advertise-host", self.host, "--transfer-host", self.host]
-        self.registry_port = 0
-        self._stop = self._start(ROLE_MODULES[role], argv)
+        self._running = self._start(ROLE_MODULES[role], argv)
+        self.port = self._running.port
+        self.registry_port = self._running.registry_port
 
-    def _start(self, module_name: str, argv: list[str]):
+    @staticmethod
+    def _start(module_name: str, argv: list[str]):
         import importlib
 
         module = importlib.import_module(module_name)
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)
-        running = module.start(parser.parse_args(argv))
-        self.port = running.port
-        self.registry_port = running.registry_port
-        return running.stop
+        return module.start(parser.parse_args(argv))
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -55,7 +55,12 @@ class ServiceActor:
         return f"{self.host}:{self.registry_port}"
 
     def stop(self) -> None:
-        self._stop()
+        """Drain as ``epd serve`` does on SIGTERM (leave the gateways, finish the work in
+        flight, up to the role's drain timeout), then stop."""
+        running = self._running
+        if running.drain is not None and running.drain_timeout_s > 0:
+            running.drain(time.monotonic() + running.drain_timeout_s)
+        running.stop()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,13 +68,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("action", choices=["up"], help="start the stack")
     parser.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
+    parser.add_argument("--gateways", type=int, default=1, help="gateway actors")
     parser.add_argument("--encoders", type=int, default=1)
     parser.add_argument("--languages", type=int, default=1)
     parser.add_argument("--model-path", help="checkpoint visible on every node (default: demo)")
     parser.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH)
-    parser.add_argument("--gateway-port", type=int, default=50051, help="the public API's port")
     parser.add_argument(
-        "--registry-port", type=int, default=0, help="the worker registry's port (0: a free one)"
+        "--gateway-port", type=int, default=50051, help="the first gateway's public port"
+    )
+    parser.add_argument(
+        "--registry-port",
+        type=int,
+        default=0,
+        help="the first gateway's worker registry port (0: a free one; other gateways: free)",
     )
     parser.add_argument("--encoder-cpus", type=float, default=1.0)
     parser.add_argument("--encoder-gpus", type=float, default=0.0)
@@ -119,18 +130,25 @@ def run(args: argparse.Namespace) -> int:
     actor_cls = ray.remote(ServiceActor)
     actors = []
     try:
-        gateway = actor_cls.options(**_actor_options(args, "gateway", 0.1, 0, 0)).remote(
-            "gateway",
-            ["--port", str(args.gateway_port), "--registry-port", str(args.registry_port)],
-            on_cluster,
+        for i in range(args.gateways):
+            first = i == 0
+            ports = (args.gateway_port, args.registry_port) if first else (0, 0)
+            argv = ["--port", str(ports[0]), "--registry-port", str(ports[1])]
+            options = _actor_options(args, "gateway", 0.1, 0, i)
+            actors.append(actor_cls.options(**options).remote("gateway", argv, on_cluster))
+        gateways = actors[: args.gateways]
+        gateway_addresses = ray.get(
+            [g.address.remote() for g in gateways], timeout=args.startup_timeout
         )
-        actors.append(gateway)
-        gateway_address, registry_address = ray.get(
-            [gateway.address.remote(), gateway.registry_address.remote()],
-            timeout=args.startup_timeout,
+        registry_addresses = ray.get(
+            [g.registry_address.remote() for g in gateways], timeout=args.startup_timeout
         )
-        print(f"gateway actor on {gateway_address} (registry {registry_address})", flush=True)
-        worker_argv = ["--model-path", model_path, "--port", "0", "--gateway", registry_address]
+        for gateway_address, registry_address in zip(
+            gateway_addresses, registry_addresses, strict=True
+        ):
+            print(f"gateway actor on {gateway_address} (registry {registry_address})", flush=True)
+        worker_argv = ["--model-path", model_path, "--port", "0"]
+        worker_argv += ["--gateway", ",".join(registry_addresses)]
         for role, count, cpus, gpus in (
             ("encoder", args.encoders, args.encoder_cpus, args.encoder_gpus),
             ("language", args.languages, args.language_cpus, args.language_gpus),
@@ -141,16 +159,18 @@ def run(args: argparse.Namespace) -> int:
                         role, worker_argv, on_cluster
                     )
                 )
-        addresses = ray.get([a.address.remote() for a in actors[1:]], timeout=args.startup_timeout)
+        workers = actors[args.gateways :]
+        addresses = ray.get([a.address.remote() for a in workers], timeout=args.startup_timeout)
         print("workers: " + ", ".join(addresses), flush=True)
-        wait_for_workers(registry_address, args.encoders, args.languages, args.startup_timeout)
-        ok = run_demo(gateway_address, max_tokens=16)
+        for registry_address in registry_addresses:
+            wait_for_workers(registry_address, args.encoders, args.languages, args.startup_timeout)
+        ok = run_demo(gateway_addresses, max_tokens=16)
         if args.once:
             return 0 if ok else 1
         if args.address:
             print("actors are detached in namespace 'epd'; this command can exit", flush=True)
             return 0
-        print(f"serving on {gateway_address} (Ctrl-C to stop)", flush=True)
+        print(f"serving on {', '.join(gateway_addresses)} (Ctrl-C to stop)", flush=True)
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
@@ -159,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         if args.once or not args.address:
             for actor in reversed(actors):
                 try:
-                    ray.get(actor.stop.remote(), timeout=30)
+                    ray.get(actor.stop.remote(), timeout=60)
                 except Exception:  # noqa: BLE001 - best effort on the way out
                     pass
                 ray.kill(actor)

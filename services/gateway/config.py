@@ -89,6 +89,18 @@ class GatewayConfig:
     heartbeat_interval_s: float = field(1.0, help="how often workers should heartbeat")
     worker_expiry_s: float = field(5.0, help="drop a worker silent for this long")
     health_poll_s: float = field(1.0, help="health/load poll period for every known worker")
+    # -- lifecycle (drain on SIGTERM, readiness at start-up) --
+    drain_timeout_s: float = field(
+        50.0,
+        help="on SIGTERM, seconds to finish the streams in flight once no new request is taken, "
+        "then exit (keep it under the pod's terminationGracePeriodSeconds; 0 = exit at once)",
+    )
+    ready_delay_s: float = field(
+        3.0,
+        help="seconds after start-up before readiness turns SERVING, so that workers finding "
+        "gateways by DNS register first (their resolve interval plus a heartbeat)",
+    )
+    # -- end of lifecycle --
     max_queued: int = field(256, help="requests admitted at once; beyond: RESOURCE_EXHAUSTED")
     encoder_retries: int = field(1, help="other encoders tried when one fails before transfer")
     default_timeout_s: float = field(120.0, help="deadline of a request without its own")
@@ -119,6 +131,9 @@ class GatewayConfig:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}")
         if self.worker_expiry_s <= self.heartbeat_interval_s:
             raise ValueError("worker_expiry_s must exceed heartbeat_interval_s")
+        for name in ("drain_timeout_s", "ready_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_queued < 1 or self.max_message_mb < 1:
             raise ValueError("max_queued and max_message_mb must be positive")
         if not 0 <= self.port < 65536:

@@ -11,7 +11,14 @@ them.
 
 ``serve(config)`` starts everything in-process and returns a ``GatewayServer``; a background
 thread polls every known worker's health and load and drops self-registered workers that went
-silent.
+silent. A dropped worker's channel closes only once the calls on it ended
+(``lingering.LingeringChannel``), so a worker that deregisters to drain finishes its streams.
+
+Readiness (``common.drain.READINESS``) turns SERVING ``ready_delay_s`` after start-up, once the
+workers had time to find this gateway. On SIGTERM the gateway drains (``GatewayServer.drain``):
+readiness NOT_SERVING, the public port takes no new call (clients get GOAWAY and reconnect to
+another gateway; the client with several addresses moves on), the streams in flight run to
+their end, up to ``drain_timeout_s``; the registry port serves to the end.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,6 +54,7 @@ from services.gateway import workers as calls
 from services.gateway.admission import Admission, queue_full_message
 from services.gateway.config import ENV_PREFIX, GatewayConfig
 from services.gateway.frontdoor import Api, FrontDoor
+from services.gateway.lingering import LingeringChannel
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.registry import Role, WorkerRegistry
@@ -91,7 +100,7 @@ class HealthPoller:
 
 @dataclass
 class GatewayServer:
-    server: grpc.Server
+    server: Server
     port: int
     registry: WorkerRegistry
     admission: Admission
@@ -102,12 +111,43 @@ class GatewayServer:
     registry_port: int
     registry_health: health.HealthServicer
     http: HttpService | None = None  # the HTTP front door, when http_port is set
+    ready_timer: threading.Timer | None = None
 
     @property
     def http_port(self) -> int:
         return self.http.server.port if self.http is not None else 0
 
+    def drain(self, deadline: float) -> bool:
+        """Take no new request on either front door and wait for the requests in flight until
+        ``deadline`` (``time.monotonic``); True when they all ended."""
+        start = time.monotonic()
+        if self.ready_timer is not None:
+            self.ready_timer.cancel()
+        self.server.readiness.drain()
+        num_streams = self.admission.num_in_flight
+        done = self.server.stop_accepting(max(0.0, deadline - start))
+        http_stop = None
+        if self.http is not None:  # stops listening, lets its requests finish up to the deadline
+            http_stop = threading.Thread(
+                target=self.http.stop, args=(max(0.0, deadline - start),), name="http-drain"
+            )
+            http_stop.start()
+        logger.info("draining: %d requests in flight, up to %.0f s", num_streams, deadline - start)
+        drained = done.wait(max(0.0, deadline - time.monotonic()))
+        if http_stop is not None:
+            http_stop.join(max(0.0, deadline - time.monotonic()))
+            drained = drained and not http_stop.is_alive()
+        took = time.monotonic() - start
+        if drained:
+            logger.info("drained in %.1f s", took)
+        else:
+            left = self.admission.num_in_flight
+            logger.warning("drain timeout after %.1f s with %d requests in flight", took, left)
+        return drained
+
     def stop(self, grace_s: float = 2.0) -> None:
+        if self.ready_timer is not None:
+            self.ready_timer.cancel()
         self.health.enter_graceful_shutdown()
         self.registry_health.enter_graceful_shutdown()
         if self.http is not None:
@@ -166,7 +206,9 @@ def serve(config: GatewayConfig) -> GatewayServer:
     worker_security = channel_security(config.internal)
     registry = WorkerRegistry(
         config.worker_expiry_s,
-        lambda address: calls.create_channel(address, config.max_message_mb, worker_security),
+        lambda address: LingeringChannel(
+            calls.create_channel(address, config.max_message_mb, worker_security)
+        ),
     )
     for address in config.encoders:
         registry.add_static(address, Role.ENCODER)
@@ -205,9 +247,16 @@ def serve(config: GatewayConfig) -> GatewayServer:
             GatewayServicer(config, front_door, registry), server
         )
         port, health_servicer = start_server(
-            server, config.host, config.port, (GATEWAY_SERVICE,), health_port=config.health_port
+            server,
+            config.host,
+            config.port,
+            (GATEWAY_SERVICE,),
+            health_port=config.health_port,
+            ready=config.ready_delay_s <= 0,
         )
         started.append(server)
+        if http is not None:
+            http.context.readiness = server.readiness
         registry_server, registry_port, registry_health = _start_registry(config, registry)
     except BaseException:
         for running in started:
@@ -216,6 +265,11 @@ def serve(config: GatewayConfig) -> GatewayServer:
             http.stop(0)
         raise
     poller = HealthPoller(registry, config.health_poll_s)
+    ready_timer = None
+    if config.ready_delay_s > 0:
+        ready_timer = threading.Timer(config.ready_delay_s, server.readiness.set, (True,))
+        ready_timer.daemon = True
+        ready_timer.start()
     logger.info(
         "gateway public API on %s:%d (%s), worker registry on %s:%d (%s)%s",
         config.host,
@@ -238,6 +292,7 @@ def serve(config: GatewayConfig) -> GatewayServer:
         registry_port,
         registry_health,
         http,
+        ready_timer,
     )
 
 
@@ -272,7 +327,14 @@ def start(args: argparse.Namespace) -> Running:
     )
     if handle.http is not None:
         banner += f"; HTTP API on {handle.http.server.url}"
-    return Running(handle.port, banner, stop, registry_port=handle.registry_port)
+    return Running(
+        handle.port,
+        banner,
+        stop,
+        registry_port=handle.registry_port,
+        drain=handle.drain,
+        drain_timeout_s=config.drain_timeout_s,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,10 @@
 """``epd serve language``: the language worker's gRPC server.
 
 ``serve(config)`` starts everything in-process and returns a handle; ``run(args)`` is the CLI
-entry point (blocks until SIGINT/SIGTERM).
+entry point (blocks until SIGINT/SIGTERM). On SIGTERM the worker drains
+(``common.worker.drain_worker``): it leaves every gateway, refuses new ``Generate`` calls with
+``UNAVAILABLE`` and serves the ones in flight (and the rooms they receive) to their end, up to
+``--drain-timeout-s``; then it stops.
 """
 
 from __future__ import annotations
@@ -11,15 +14,20 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-import grpc
 from grpc_health.v1 import health
 
 from common.cli_config import add_cli_args, from_cli_args
-from common.grpc_server import Running, create_server, serve_until_terminated, start_server
+from common.grpc_server import (
+    Running,
+    Server,
+    create_server,
+    serve_until_terminated,
+    start_server,
+)
 from common.internal import server_security
 from common.stream_capacity import StreamCapacity
 from common.transfer.layout import dtype_name, parse_dtype
-from common.worker import WorkerRuntime, add_worker_arguments, worker_configs
+from common.worker import WorkerRuntime, add_worker_arguments, drain_worker, worker_configs
 from protos.epd.v1 import language_pb2_grpc
 from services.language.config import ENV_PREFIX, LanguageConfig
 from services.language.engine.engine import LanguageEngine
@@ -36,7 +44,7 @@ SERVICE_NAME = "epd.v1.LanguageService"
 class LanguageServer:
     """A running server: ``port`` is the bound port; ``stop()`` shuts everything down."""
 
-    server: grpc.Server
+    server: Server
     engine_thread: EngineThread
     health: health.HealthServicer
     port: int
@@ -59,14 +67,14 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
     engine = LanguageEngine(config, embedding_source)
     engine_thread = EngineThread(engine, config.max_waiting_requests)
     engine_thread.start()
-    capacity = StreamCapacity(
-        config.grpc_workers, (f"/{SERVICE_NAME}/Generate",), who="language worker"
-    )
+    generate = f"/{SERVICE_NAME}/Generate"
+    capacity = StreamCapacity(config.grpc_workers, (generate,), who="language worker")
     server = create_server(
         "epd-language",
         config.grpc_max_message_mb,
         capacity,
         server_security(config.worker.internal),
+        work_methods=(generate,),
     )
     servicer = LanguageServicer(engine_thread, embedding_source)
     language_pb2_grpc.add_LanguageServiceServicer_to_server(servicer, server)
@@ -137,7 +145,13 @@ def start(args: argparse.Namespace) -> Running:
         runtime.stop()
         handle.stop()
 
-    return Running(handle.port, f"language worker listening on {config.host}:{handle.port}", stop)
+    return Running(
+        handle.port,
+        f"language worker listening on {config.host}:{handle.port}",
+        stop,
+        drain=lambda deadline: drain_worker(handle.server, runtime, deadline),
+        drain_timeout_s=config.worker.drain_timeout_s,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

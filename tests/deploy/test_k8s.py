@@ -1,6 +1,10 @@
 """The Kubernetes manifests: every kustomize target renders, every core object passes strict
 schema validation for Kubernetes 1.32, CRD objects (ServiceMonitor) are well formed, and the
-cross-references that a typo would silently break still hold (selectors, ports, names)."""
+cross-references that a typo would silently break still hold (selectors, ports, names). The
+lifecycle agrees with the services: several gateway replicas with an HPA and a PDB, workers
+registering with every gateway through a headless Service, readiness and liveness probes on the
+health service names the servers answer, and preStop + drain timeout within each pod's grace
+period."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from common.drain import READINESS
+
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 KUBECTL = Path(sys.executable).parent / "kubectl"
@@ -28,6 +34,8 @@ HPA_METRICS = {
     "epd-encoder": "epd_encoder_queue_depth",
     "epd-language": "epd_language_num_waiting_reqs",
 }
+REGISTRY_SERVICE = "epd-gateway-registry"  # headless: every gateway pod's registry port
+STOP_MARGIN_S = 5  # grace period left after preStop + drain timeout, to stop and exit
 UID = 10001
 GPU = "nvidia.com/gpu"
 RDMA = "rdma/hca_shared_devices_a"
@@ -142,10 +150,10 @@ def field_ref(container: Obj, name: str) -> str | None:
 def test_renders_every_role(objs: tuple[Obj, ...]) -> None:
     names = {f"epd-{role}" for role in ROLES}
     assert set(of_kind(objs, "Deployment")) == names
-    assert set(of_kind(objs, "Service")) == names
+    assert set(of_kind(objs, "Service")) == names | {REGISTRY_SERVICE}
     assert set(of_kind(objs, "PodDisruptionBudget")) == names
     assert set(of_kind(objs, "ServiceMonitor")) == names
-    assert set(of_kind(objs, "HorizontalPodAutoscaler")) == {f"epd-{r}" for r in WORKERS}
+    assert set(of_kind(objs, "HorizontalPodAutoscaler")) == names
     prefixes = {name.rsplit("-", 1)[0] for name in of_kind(objs, "ConfigMap")}
     assert prefixes == {f"epd-{r}-config" for r in (*ROLES, "transfer", "internal")}
     policies = {"epd-default-deny", *names}
@@ -210,9 +218,11 @@ def test_service_selectors_and_target_ports(objs: tuple[Obj, ...]) -> None:
             assert port_declared(target, container), f"Service {name}: no container port {target}"
             if isinstance(target, str):
                 assert port["name"] == target, f"Service {name}: port names differ"
-    assert of_kind(objs, "Service")["epd-gateway"]["spec"].get("type", "ClusterIP") == "ClusterIP"
-    for role in WORKERS:
-        assert of_kind(objs, "Service")[f"epd-{role}"]["spec"]["clusterIP"] == "None"
+    public = of_kind(objs, "Service")["epd-gateway"]["spec"]
+    assert public.get("type", "ClusterIP") == "ClusterIP"
+    assert "registry" not in {p["name"] for p in public["ports"]}, "workers use the headless one"
+    for name in (*(f"epd-{role}" for role in WORKERS), REGISTRY_SERVICE):
+        assert of_kind(objs, "Service")[name]["spec"]["clusterIP"] == "None", name
 
 
 def test_probes_hit_the_health_port(objs: tuple[Obj, ...]) -> None:
@@ -238,6 +248,10 @@ def test_probes_hit_the_health_port(objs: tuple[Obj, ...]) -> None:
                 continue
             assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, (name, kind)
             assert probe["grpc"]["port"] == health_port, f"{name} {kind} misses the health port"
+        # readiness turns NOT_SERVING when a drain starts; liveness ("") stays SERVING through it
+        assert container["readinessProbe"]["grpc"]["service"] == READINESS, name
+        for kind in ("startupProbe", "livenessProbe"):
+            assert container[kind]["grpc"].get("service", "") == "", (name, kind)
         startup = container["startupProbe"]
         budget_s = startup["periodSeconds"] * startup["failureThreshold"]
         assert budget_s >= (300 if name != "epd-gateway" else 30), f"{name}: startup too short"
@@ -250,15 +264,20 @@ def test_hpas_target_deployments(objs: tuple[Obj, ...]) -> None:
     for name, hpa in of_kind(objs, "HorizontalPodAutoscaler").items():
         ref = hpa["spec"]["scaleTargetRef"]
         assert (ref["apiVersion"], ref["kind"]) == ("apps/v1", "Deployment"), name
-        assert ref["name"] in deployments, f"HPA {name} targets missing {ref['name']}"
+        assert ref["name"] == name and name in deployments, f"HPA {name} targets {ref['name']}"
         deployment = deployments[ref["name"]]
         assert "replicas" not in deployment["spec"], f"{ref['name']}: the HPA owns replicas"
         assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"], name
-        pods, resource = hpa["spec"]["metrics"]
-        assert pods["type"] == "Pods", f"{name}: the queue metric comes first"
-        assert pods["pods"]["metric"]["name"] == HPA_METRICS[name]
-        assert pods["pods"]["target"]["type"] == "AverageValue"
-        assert HPA_METRICS[name] in served, f"prometheus-adapter does not serve {name}'s metric"
+        *queue, resource = hpa["spec"]["metrics"]
+        if name == "epd-gateway":  # a stream relay: CPU is its load
+            assert queue == [], name
+            assert hpa["spec"]["minReplicas"] >= 2, "one gateway would be a single point"
+        else:
+            (pods,) = queue
+            assert pods["type"] == "Pods", f"{name}: the queue metric comes first"
+            assert pods["pods"]["metric"]["name"] == HPA_METRICS[name]
+            assert pods["pods"]["target"]["type"] == "AverageValue"
+            assert HPA_METRICS[name] in served, f"prometheus-adapter does not serve {name}'s metric"
         assert resource["type"] == "Resource" and resource["resource"]["name"] == "cpu", name
         assert resource["resource"]["target"]["type"] == "Utilization", name
         for container in pod_spec(deployment)["containers"]:
@@ -269,6 +288,26 @@ def test_pdb_selectors_match(objs: tuple[Obj, ...]) -> None:
     for name, pdb in of_kind(objs, "PodDisruptionBudget").items():
         assert selected_deployments(objs, pdb["spec"]["selector"]) == [name], name
         assert len({"minAvailable", "maxUnavailable"} & set(pdb["spec"])) == 1, name
+    gateway = of_kind(objs, "PodDisruptionBudget")["epd-gateway"]["spec"]
+    assert gateway["minAvailable"] == 1, "a drain or an eviction always leaves one gateway"
+    assert of_kind(objs, "HorizontalPodAutoscaler")["epd-gateway"]["spec"]["minReplicas"] > 1
+
+
+def test_drain_fits_the_grace_period(objs: tuple[Obj, ...]) -> None:
+    """Every role: preStop sleeps a few seconds, then SIGTERM starts the drain; preStop, the
+    drain timeout and a margin to stop fit in terminationGracePeriodSeconds, so the kubelet's
+    SIGKILL never cuts a drain short."""
+    for name, deployment in of_kind(objs, "Deployment").items():
+        container = main_container(deployment)
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep" and len(command) == 2, (name, command)
+        pre_stop_s = int(command[1])
+        assert 0 < pre_stop_s <= 10, name
+        role = name.removeprefix("epd-").upper()
+        drain_s = float(config_value(objs, container, f"EPD_{role}_DRAIN_TIMEOUT_S"))
+        grace_s = pod_spec(deployment)["terminationGracePeriodSeconds"]
+        assert drain_s >= 30, f"{name}: a drain of {drain_s} s cuts long generations"
+        assert pre_stop_s + drain_s + STOP_MARGIN_S <= grace_s, (name, pre_stop_s, drain_s, grace_s)
 
 
 def test_config_references_resolve(objs: tuple[Obj, ...]) -> None:
@@ -296,6 +335,13 @@ def test_config_references_resolve(objs: tuple[Obj, ...]) -> None:
 
 def test_servicemonitors_match_services(objs: tuple[Obj, ...]) -> None:
     services = of_kind(objs, "Service")
+    unscraped = {
+        n
+        for n, svc in services.items()
+        if "metrics" not in {p["name"] for p in svc["spec"]["ports"]}
+    }
+    assert unscraped == {REGISTRY_SERVICE}, "only the registry's discovery Service has no metrics"
+    services = {n: svc for n, svc in services.items() if n not in unscraped}
     scraped = set()
     for name, sm in of_kind(objs, "ServiceMonitor").items():
         matched = [
@@ -330,8 +376,12 @@ def test_workers_reach_gateway_and_peers(objs: tuple[Obj, ...]) -> None:
         container = main_container(deployments[f"epd-{role}"])
         host, port = arg_value(container, "--gateway").rsplit(":", 1)
         assert host in services, f"{role}: --gateway names no Service"
-        by_port = {p["port"]: p for p in services[host]["spec"]["ports"]}
+        registry = services[host]["spec"]
+        by_port = {p["port"]: p for p in registry["ports"]}
         assert by_port[int(port)]["targetPort"] == "registry", f"{role}: not the registry port"
+        # one DNS record per gateway pod, published before it is ready: workers reach every one
+        assert registry["clusterIP"] == "None" and registry["publishNotReadyAddresses"], role
+        assert selected_deployments(objs, {"matchLabels": registry["selector"]}) == ["epd-gateway"]
         assert arg_value(container, "--advertise-host") == "$(POD_IP)"
         assert field_ref(container, "POD_IP") == "status.podIP"
         assert field_ref(container, "EPD_TRANSFER_HOST") == "status.podIP"
@@ -367,9 +417,10 @@ def test_security_context(objs: tuple[Obj, ...]) -> None:
 def test_dev_overlay() -> None:
     objs = render("overlays/dev")
     deployments = of_kind(objs, "Deployment")
-    assert deployments["epd-gateway"]["spec"]["replicas"] == 1
-    for hpa in of_kind(objs, "HorizontalPodAutoscaler").values():
-        assert hpa["spec"]["minReplicas"] == 1
+    hpas = of_kind(objs, "HorizontalPodAutoscaler")
+    assert hpas["epd-gateway"]["spec"]["minReplicas"] == 2  # several gateways, as in prod
+    for role in WORKERS:
+        assert hpas[f"epd-{role}"]["spec"]["minReplicas"] == 1
     labels = of_kind(objs, "Namespace")["epd-dev"]["metadata"]["labels"]
     assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
     for role in WORKERS:
@@ -405,6 +456,8 @@ def test_prod_overlay() -> None:
         spec = pod_spec(deployment)
         container = main_container(deployment)
         assert "initContainers" not in spec
+        assert spec["terminationGracePeriodSeconds"] == 120  # long generations drain longer
+        assert float(config_value(objs, container, f"EPD_{role.upper()}_DRAIN_TIMEOUT_S")) > 60
         resources = container["resources"]
         for name in (GPU, RDMA):
             assert resources["requests"][name] == resources["limits"][name] == "1", (role, name)

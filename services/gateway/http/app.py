@@ -34,6 +34,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from common.auth import BearerKeys
+from common.drain import Readiness
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.frontdoor import Api, FrontDoor
@@ -81,6 +82,8 @@ class HttpContext:
     dashboard: DashboardSampler | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
     stopping: Event = field(default_factory=Event)
+    # the gRPC port's readiness (``--ready-delay-s``, drain), which /health follows once set
+    readiness: Readiness | None = None
 
     def served_models(self) -> list[str]:
         """``--served-model-name``, else the names the healthy language workers report."""
@@ -168,7 +171,8 @@ def create_app(ctx: HttpContext) -> ASGIApp:
 
     @app.get("/health", response_model=schemas.Health, responses={503: {"model": schemas.Health}})
     async def health() -> Response:
-        """200 while the gateway serves (with or without workers), 503 once it stops."""
+        """200 while the gateway serves (with or without workers), 503 before it is ready
+        (``--ready-delay-s``) and once it drains or stops."""
         workers = ctx.registry.all()
         pools = {
             role: {
@@ -177,9 +181,13 @@ def create_app(ctx: HttpContext) -> ASGIApp:
             }
             for role in ROLES
         }
-        stopping = ctx.stopping.is_set()
-        body = {"status": "stopping" if stopping else "ok", "workers": pools}
-        return _json(body, 503 if stopping else 200)
+        status = "ok"
+        if ctx.stopping.is_set() or (ctx.readiness is not None and ctx.readiness.draining):
+            status = "stopping"
+        elif ctx.readiness is not None and not ctx.readiness.ready:
+            status = "starting"  # within --ready-delay-s: workers register first
+        body = {"status": status, "workers": pools}
+        return _json(body, 200 if status == "ok" else 503)
 
     if ctx.dashboard is not None:
         _add_dashboard(app, ctx, ctx.dashboard)

@@ -228,7 +228,7 @@ class PoolHealth(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "stopping"]
+    status: Literal["ok", "starting", "stopping"]
     workers: dict[str, PoolHealth]
 
 
