@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from common.models import checkpoint_files
-
 from common.transfer.layout import parse_dtype
 
 from .checkpoint import VISION_CLASS, Checkpoint

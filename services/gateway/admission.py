@@ -44,6 +44,11 @@ class Admitted:
     cancelled: bool = False
     _cancels: list[Callable[[], object]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def wait_cancelled(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s``; True as soon as the request is cancelled."""
+        return self._cancelled.wait(timeout_s)
 
     def on_cancel(self, cancel: Callable[[], object]) -> None:
         """Register a call's cancel; runs at once if the request is already cancelled."""
@@ -57,6 +62,7 @@ class Admitted:
         with self._lock:
             self.cancelled = True
             cancels, self._cancels = self._cancels, []
+        self._cancelled.set()
         for cancel in cancels:
             cancel()
 

@@ -103,6 +103,12 @@ class GatewayConfig:
     # -- end of lifecycle --
     max_queued: int = field(256, help="requests admitted at once; beyond: RESOURCE_EXHAUSTED")
     encoder_retries: int = field(1, help="other encoders tried when one fails before transfer")
+    encoder_busy_wait_s: float = field(
+        30.0,
+        help="when every encoder tried is busy (RESOURCE_EXHAUSTED: stream capacity or queue "
+        "full), seconds a request waits and tries again (backing off, within its deadline) "
+        "before the refusal reaches the client; 0 = refuse at once",
+    )
     default_timeout_s: float = field(120.0, help="deadline of a request without its own")
     default_max_new_tokens: int = field(128, help="max_new_tokens when the request sets 0")
     max_message_mb: int = field(64, help="largest gRPC message accepted (images are large)")

@@ -13,7 +13,11 @@ messages, the time the request has left and the prompt budget (the language work
 ``max_seq_len`` minus ``max_new_tokens``), the language worker the room, the encoder's transfer
 endpoint and the sampling parameters. If the encoder refuses or is unreachable before anything
 was transferred, the language half is cancelled (which frees its room) and the request is
-retried on the next encoder with a fresh room.
+retried on the next encoder with a fresh room. When every encoder tried was busy
+(``RESOURCE_EXHAUSTED``: at its stream capacity or its queue full), the request waits — backing
+off from 20 ms to 1 s, woken at once by a cancel — and tries again, for up to
+``--encoder-busy-wait-s`` within its deadline: a burst above the encoders' capacity queues at
+the gateway (bounded by ``--max-queued``) instead of failing.
 
 Ids: every call to a worker carries an id the gateway draws itself (a uuid per call). The
 client's ``request_id`` only keys the admission table and is echoed in the answer, so no client
@@ -64,6 +68,9 @@ ENCODER_REFUSED_CODES = (
     grpc.StatusCode.ALREADY_EXISTS,
 )
 
+
+# Waits between rounds of encoders that were all busy.
+BUSY_BACKOFF_S = (0.02, 1.0)  # first, longest
 
 # Final chunks after which the encoder may still hold the room (the transfer did not finish).
 UNDELIVERED = (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT)
@@ -245,9 +252,42 @@ class Orchestrator:
         admitted: Admitted,
         deadline: float,
     ) -> Dispatch:
+        """Dispatch to the first encoder that accepts the room; while every one tried is busy,
+        wait and go round again (see the module's docstring)."""
+        give_up_at = min(deadline, time.monotonic() + self.config.encoder_busy_wait_s)
+        backoff = BUSY_BACKOFF_S[0]
+        while True:
+            outcome = self._try_encoders(
+                request, sampling, key, language, encoders, admitted, deadline
+            )
+            if isinstance(outcome, Dispatch):
+                return outcome
+            error = outcome
+            wait_s = min(backoff, give_up_at - time.monotonic())
+            if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or wait_s <= 0:
+                raise error
+            self.metrics.routing.labels("encoder", "busy_wait").inc()
+            if admitted.wait_cancelled(wait_s):
+                raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted")
+            backoff = min(2 * backoff, BUSY_BACKOFF_S[1])
+
+    def _try_encoders(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        sampling: common_pb2.SamplingParams,
+        key: RoutingKey,
+        language: Worker,
+        encoders: list[Worker],
+        admitted: Admitted,
+        deadline: float,
+    ) -> Dispatch | GatewayError:
+        """One round over the encoders: the dispatch, or the error that ends the round — a
+        busy encoder's ``RESOURCE_EXHAUSTED`` when there was one (waiting may help), else the
+        last retriable failure."""
         budget = max_seq_len(language)
         max_prompt_tokens = budget - sampling.max_new_tokens if budget else 0
         last_error: GatewayError | None = None
+        busy: GatewayError | None = None
         for attempt, encoder in enumerate(encoders[: 1 + self.config.encoder_retries]):
             if attempt:
                 self.metrics.routing.labels("encoder", "retry").inc()
@@ -279,6 +319,8 @@ class Orchestrator:
                 last_error = _status_from_rpc(exc, f"encoder {encoder.address}")
                 if last_error.code not in ENCODER_REFUSED_CODES:  # it may have accepted it
                     calls.cancel_room(encoder, room, f"encode call failed: {last_error.code.name}")
+                if last_error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    busy = last_error
                 if last_error.code in RETRY_ENCODER_CODES:
                     continue
                 raise last_error from None
@@ -287,7 +329,7 @@ class Orchestrator:
             self.encoder_policy.on_routed(encoder, key)
             return Dispatch(language, encoder, time.monotonic(), call, accepted)
         assert last_error is not None
-        raise last_error
+        return busy or last_error
 
     # ---- the answer ---------------------------------------------------------------------
     def _stream(

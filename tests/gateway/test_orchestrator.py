@@ -41,13 +41,15 @@ IMAGE = b"\x89PNG fake"  # the scripted encoder never decodes it
 class ScriptedEncoder(encoder_pb2_grpc.EncoderServicer):
     def __init__(self) -> None:
         self.refuse: grpc.StatusCode | None = None
+        self.refusals_left = -1  # with ``refuse``: how many calls it refuses (-1: all)
         self.encoded: list[encoder_pb2.EncodeRequest] = []
         self.cancelled: list[tuple[int, str]] = []
         self.cancel_seen = threading.Event()
 
     def Encode(self, request, context):  # noqa: N802
         self.encoded.append(request)
-        if self.refuse is not None:
+        if self.refuse is not None and self.refusals_left != 0:
+            self.refusals_left -= 1
             context.abort(self.refuse, "scripted refusal")
         return encoder_pb2.EncodeReply(room=request.room, num_tokens=10)
 
@@ -121,6 +123,36 @@ def test_workers_get_internal_ids_time_left_and_the_prompt_budget(pools) -> None
     assert text.request_id == "client-id" and language.requests[-1].request_id not in ids
     time.sleep(0.3)  # a cancel would be sent at once (non-blocking): none may follow success
     assert encoder.cancelled == []
+
+
+def test_a_busy_encoder_is_waited_for(pools) -> None:
+    """RESOURCE_EXHAUSTED from every encoder (its stream capacity, its queue): the request waits
+    at the gateway and tries again, each try with a fresh room whose language half is freed."""
+    stub, encoder, language, gateway = pools
+    encoder.refuse, encoder.refusals_left = grpc.StatusCode.RESOURCE_EXHAUSTED, 3
+    reply = stub.GenerateUnary(build_request("hi", [IMAGE], max_tokens=8), timeout=30)
+    assert list(reply.token_ids) == [0, 1, 2]
+    rooms = [r.room for r in encoder.encoded]
+    assert len(rooms) == 4 and len(set(rooms)) == 4
+    assert [r.room for r in language.requests] == rooms
+    assert gateway.admission.num_in_flight == 0
+
+
+def test_an_encoder_busy_past_the_deadline_is_tried_with_backoff(pools) -> None:
+    stub, encoder, _, gateway = pools
+    encoder.refuse = grpc.StatusCode.RESOURCE_EXHAUSTED
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.GenerateUnary(build_request("hi", [IMAGE], max_tokens=8), timeout=1.5)
+    assert info.value.code() in (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
+    assert time.monotonic() - start < 3
+    # 20, 40, 80, ... ms apart: a handful of tries, not a spin
+    assert 3 <= len(encoder.encoded) <= 10, len(encoder.encoded)
+    time.sleep(0.2)
+    assert gateway.admission.num_in_flight == 0
 
 
 def test_language_refusal_cancels_the_encoder_room(pools) -> None:
