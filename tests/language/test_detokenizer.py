@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from common.models.tiny import _build_demo_tokenizer
+from common.models.tokenizers import build_qwen2_tokenizer
 from services.language.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
@@ -53,7 +53,7 @@ def tokenizer(request, tiny_model_dir):
     if request.param == "test_bpe":
         return AutoTokenizer.from_pretrained(str(tiny_model_dir("qwen2_5_vl")))
     if request.param == "qwen2":
-        return _build_demo_tokenizer()
+        return build_qwen2_tokenizer()
     return metaspace_tokenizer()
 
 
