@@ -176,6 +176,7 @@ def load_reply(engine_thread: EngineThread, source=None) -> language_pb2.Languag
         num_kv_slots_total=load.num_kv_slots_total,
         num_radix_hit_tokens=load.num_radix_hit_tokens,
         num_radix_tokens=load.num_radix_tokens,
+        num_radix_locked_tokens=load.num_radix_locked_tokens,
         num_free_transfer_blocks=blocks["num_free_blocks"],
         num_used_transfer_blocks=blocks["num_used_blocks"],
         num_lent_transfer_blocks=blocks.get("num_lent_blocks", 0),

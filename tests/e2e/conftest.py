@@ -81,10 +81,11 @@ class Stack(LocalStack):
             busy = load.num_running + load.num_waiting + load.num_receiving
             slots_leaked = load.num_kv_slots_used - load.num_radix_tokens
             blocks_held = max(0, load.num_used_transfer_blocks)  # lent ones included
-            if busy or slots_leaked or blocks_held:
+            locked = load.num_radix_locked_tokens
+            if busy or slots_leaked or blocks_held or locked:
                 found.append(
                     f"{proc.name}: {busy} requests, {slots_leaked} slots outside the radix cache, "
-                    f"{blocks_held} transfer blocks"
+                    f"{blocks_held} transfer blocks, {locked} radix tokens locked"
                 )
         return found
 

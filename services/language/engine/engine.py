@@ -298,6 +298,7 @@ class LanguageEngine:
             num_kv_slots_total=cm.allocator.num_slots,
             num_radix_hit_tokens=cm.num_hit_tokens,
             num_radix_tokens=info.evictable_size + info.protected_size,
+            num_radix_locked_tokens=info.protected_size,
             num_evicted_tokens=cm.num_evicted_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens,

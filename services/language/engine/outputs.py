@@ -17,6 +17,7 @@ class EngineLoad:
     num_kv_slots_total: int
     num_radix_hit_tokens: int
     num_radix_tokens: int
+    num_radix_locked_tokens: int = 0  # held by requests in flight: not evictable
     num_evicted_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
