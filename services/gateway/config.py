@@ -103,6 +103,11 @@ class GatewayConfig:
     # -- end of lifecycle --
     max_queued: int = field(256, help="requests admitted at once; beyond: RESOURCE_EXHAUSTED")
     encoder_retries: int = field(1, help="other encoders tried when one fails before transfer")
+    language_retries: int = field(
+        1,
+        help="other language workers tried when one is unreachable before it streamed anything "
+        "(it is also marked unhealthy at once, until its next good health check)",
+    )
     encoder_busy_wait_s: float = field(
         30.0,
         help="when every encoder tried is busy (RESOURCE_EXHAUSTED: stream capacity or queue "

@@ -29,6 +29,12 @@ half refused or failed, the client cancelled, the deadline passed — so the enc
 work and frees its blocks at once instead of at a transfer timeout. The first chunk from the
 language worker means the transfer completed; from then on nothing is cancelled on the encoder.
 
+A language worker that fails with ``UNAVAILABLE`` before it streamed anything (it died, it is
+draining, nothing listens at its address) never showed the client a token: it is marked
+unhealthy at once (the health poller brings it back when it answers) and the request is
+dispatched again — a fresh room, the encoder again, whose embedding cache makes that cheap — to
+the next language worker, up to ``--language-retries`` times.
+
 The language stream is the request's single source of truth: every request ends with exactly
 one terminal status.
 """
@@ -116,6 +122,14 @@ class Dispatch:
     room: EncoderRoom | None = None
 
 
+class NotStarted(Exception):
+    """The language worker failed before it streamed anything: the request may go elsewhere."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 def _status_from_rpc(exc: grpc.RpcError, who: str) -> GatewayError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
@@ -162,6 +176,37 @@ class Orchestrator:
         key = routing_key(list(request.messages))
         ordered, reason = self._order(Role.LANGUAGE, self.registry.healthy(Role.LANGUAGE), key)
         languages = self._fitting(ordered, sampling.max_new_tokens, request.sampling)
+        for retry in range(1 + self.config.language_retries):
+            dispatch = self._dispatch(request, sampling, key, languages, admitted, deadline)
+            language = dispatch.language
+            if retry:
+                reason = "retry"
+            elif language is not ordered[0]:  # the policy's choice cannot take it
+                reason = "layout" if language is not languages[0] else "max_seq_len"
+            self.metrics.routing.labels("language", reason).inc()
+            self.language_policy.on_routed(language, key)
+            try:
+                yield from self._stream(dispatch, admitted)
+                return
+            except NotStarted as exc:
+                self.registry.mark(language.address, False)
+                languages = [w for w in languages if w is not language]
+                if not languages or admitted.cancelled or time.monotonic() >= deadline:
+                    raise exc.error from None
+                last = exc.error
+        raise last
+
+    def _dispatch(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        sampling: common_pb2.SamplingParams,
+        key: RoutingKey,
+        languages: list[Worker],
+        admitted: Admitted,
+        deadline: float,
+    ) -> Dispatch:
+        """Start the request on the first of ``languages`` (with an encoder of its layout when
+        it has images)."""
         if num_images(list(request.messages)) == 0:
             language = languages[0]
             self.metrics.routing.labels("encoder", "text_only").inc()
@@ -169,17 +214,11 @@ class Orchestrator:
                 language, sampling, self._remaining(deadline), messages=request.messages
             )
             admitted.on_cancel(call.cancel)  # Abort and client cancel reach the language worker
-            dispatch = Dispatch(language, None, time.monotonic(), call)
-        else:
-            language, encoders = self._pair(languages, key)
-            dispatch = self._dispatch_with_images(
-                request, sampling, key, language, encoders, admitted, deadline
-            )
-        if language is not ordered[0]:  # the policy's choice cannot take it
-            reason = "layout" if language is not languages[0] else "max_seq_len"
-        self.metrics.routing.labels("language", reason).inc()
-        self.language_policy.on_routed(language, key)
-        yield from self._stream(dispatch, admitted)
+            return Dispatch(language, None, time.monotonic(), call)
+        language, encoders = self._pair(languages, key)
+        return self._dispatch_with_images(
+            request, sampling, key, language, encoders, admitted, deadline
+        )
 
     # ---- routing ------------------------------------------------------------------------
     def _order(
@@ -342,8 +381,10 @@ class Orchestrator:
             self.registry.acquire(w)
         first_token_at = last_token_at = 0.0
         failure = "the request ended before the language worker answered"
+        streamed = False
         try:
             for chunk in dispatch.call:
+                streamed = True
                 if dispatch.room is not None and chunk.finish_reason not in UNDELIVERED:
                     dispatch.room.delivered()  # a token or a normal finish: the prompt arrived
                 now = time.monotonic()
@@ -378,6 +419,8 @@ class Orchestrator:
                 raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted") from None
             error = _status_from_rpc(exc, f"language worker {dispatch.language.address}")
             failure = f"language worker refused or failed: {error.code.name}"
+            if not streamed and error.code == grpc.StatusCode.UNAVAILABLE:
+                raise NotStarted(error) from None
             raise error from None
         finally:
             if dispatch.room is not None:

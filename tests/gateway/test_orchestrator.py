@@ -155,6 +155,30 @@ def test_an_encoder_busy_past_the_deadline_is_tried_with_backoff(pools) -> None:
     assert gateway.admission.num_in_flight == 0
 
 
+def test_an_unreachable_language_worker_is_skipped_before_anything_streamed(pools) -> None:
+    """A language worker nothing listens for (killed, not yet noticed by the health poller): the
+    request goes to the next one, the dead one is marked unhealthy at once, and the image
+    request's first room is cancelled on the encoder."""
+    from common.procs import free_port
+
+    stub, encoder, language, gateway = pools
+    dead = f"127.0.0.1:{free_port()}"  # sorts before "localhost:...": the policy's first choice
+    gateway.registry.heartbeat(
+        dead, Role.LANGUAGE, 8, {}, {}, {"transfer_layout": LAYOUT, "max_seq_len": 1000}
+    )
+    reply = stub.GenerateUnary(build_request("hi", [IMAGE], max_tokens=8), timeout=30)
+    assert list(reply.token_ids) == [0, 1, 2] and reply.language != dead
+    assert [w.healthy for w in gateway.registry.all() if w.address == dead] == [False]
+    first, second = (r.room for r in encoder.encoded)
+    assert encoder.cancel_seen.wait(5) and encoder.cancelled[0][0] == first != second
+    gateway.registry.heartbeat(
+        dead, Role.LANGUAGE, 8, {}, {}, {"transfer_layout": LAYOUT, "max_seq_len": 1000}
+    )
+    text = stub.GenerateUnary(build_request("text", max_tokens=8), timeout=30)
+    assert list(text.token_ids) == [0, 1, 2] and text.language != dead
+    assert gateway.admission.num_in_flight == 0
+
+
 def test_language_refusal_cancels_the_encoder_room(pools) -> None:
     stub, encoder, language, gateway = pools
     language.mode = "refuse"
