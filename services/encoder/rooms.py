@@ -160,6 +160,11 @@ class RoomTable:
         with self._cond:
             return [(r.room, r.deadline) for r in self._live[RoomStatus.SUBMITTED].values()]
 
+    def rooms_with(self, status: RoomStatus) -> list[int]:
+        """The ids of the rooms in ``status`` now."""
+        with self._cond:
+            return [r.room for r in self._records.values() if r.status == status]
+
     def num_in(self, status: RoomStatus) -> int:
         """Live rooms in ``status`` (QUEUED, ENCODED or SUBMITTED)."""
         with self._cond:

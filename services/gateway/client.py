@@ -31,6 +31,7 @@ from pathlib import Path
 import grpc
 
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.errors import REQUEST_ABORTED
 
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_UINT32 = (1 << 32) - 1
@@ -81,7 +82,14 @@ def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
 
 
 def _retryable(exc: grpc.RpcError) -> bool:
-    return isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE
+    """The gateway did not take the request: UNAVAILABLE (down, draining, GOAWAY), or a
+    CANCELLED that is not the gateway's own (a call caught in its server's shutdown)."""
+    if not isinstance(exc, grpc.Call):
+        return False
+    code = exc.code()
+    if code == grpc.StatusCode.CANCELLED:
+        return exc.details() != REQUEST_ABORTED
+    return code == grpc.StatusCode.UNAVAILABLE
 
 
 class GatewayClient:

@@ -55,7 +55,7 @@ from protos.epd.v1 import common_pb2, gateway_pb2
 from services.gateway import workers as calls
 from services.gateway.admission import Admitted
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import GatewayError
+from services.gateway.errors import REQUEST_ABORTED, GatewayError
 from services.gateway.keys import num_images, routing_key
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.registry import Role, Worker, WorkerRegistry
@@ -307,7 +307,7 @@ class Orchestrator:
                 raise error
             self.metrics.routing.labels("encoder", "busy_wait").inc()
             if admitted.wait_cancelled(wait_s):
-                raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted")
+                raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED)
             backoff = min(2 * backoff, BUSY_BACKOFF_S[1])
 
     def _try_encoders(
@@ -354,7 +354,7 @@ class Orchestrator:
                 call.cancel()  # the language worker aborts the room and frees its blocks
                 if admitted.cancelled:
                     calls.cancel_room(encoder, room, "request cancelled")
-                    raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted") from None
+                    raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED) from None
                 last_error = _status_from_rpc(exc, f"encoder {encoder.address}")
                 if last_error.code not in ENCODER_REFUSED_CODES:  # it may have accepted it
                     calls.cancel_room(encoder, room, f"encode call failed: {last_error.code.name}")
@@ -408,15 +408,15 @@ class Orchestrator:
                         f"language worker {dispatch.language.address}: {chunk.error or 'failed'}",
                     )
                 if chunk.finish_reason == common_pb2.FINISH_REASON_ABORT:
-                    failure = "request aborted"
-                    raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted")
+                    failure = REQUEST_ABORTED
+                    raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED)
                 if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     self._finalize(out, chunk, dispatch, start, first_token_at)
                 yield out
         except grpc.RpcError as exc:
             if admitted.cancelled:
                 failure = "request cancelled"
-                raise GatewayError(grpc.StatusCode.CANCELLED, "request aborted") from None
+                raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED) from None
             error = _status_from_rpc(exc, f"language worker {dispatch.language.address}")
             failure = f"language worker refused or failed: {error.code.name}"
             if not streamed and error.code == grpc.StatusCode.UNAVAILABLE:

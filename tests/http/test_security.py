@@ -40,6 +40,7 @@ def start(tmp_path):
 
     def make(worker: bool = False, **fields):
         """With ``worker``, a language worker at an unused address registers (for the page)."""
+        fields.setdefault("ready_delay_s", 0.0)
         config = GatewayConfig(port=0, registry_port=0, http_port=free_port(), **fields)
         handles.append(serve(config))
         if worker:
@@ -61,6 +62,18 @@ def url(handle, scheme: str = "http") -> str:
 
 def counted(handle, outcome: str, api: str = "http") -> float:
     return handle.metrics.requests.labels(outcome, api)._value.get()
+
+
+def test_health_follows_the_grpc_readiness(start) -> None:
+    """/health (the HTTP readiness probe) says what the gRPC readiness says: starting within
+    --ready-delay-s, ok, then stopping from the first moment of a drain."""
+    handle = start(ready_delay_s=1.0)
+    first = httpx.get(url(handle) + "/health")
+    assert (first.status_code, first.json()["status"]) == (503, "starting")
+    wait_for(lambda: httpx.get(url(handle) + "/health").status_code == 200, 10, "ready")
+    handle.server.readiness.drain()  # what GatewayServer.drain does first
+    drained = httpx.get(url(handle) + "/health")
+    assert (drained.status_code, drained.json()["status"]) == (503, "stopping")
 
 
 def test_api_keys_guard_the_api_but_not_health(start, tmp_path: Path) -> None:
