@@ -129,12 +129,16 @@ def test_sigterm_a_language_worker_under_load(tiny_model_dir, stack_factory) -> 
     stack.wait_no_leaks()
 
 
-def encode_request(room: int, image: bytes | None = None) -> encoder_pb2.EncodeRequest:
+def encode_request(
+    room: int, image: bytes | None = None, timeout_s: float = 0.0
+) -> encoder_pb2.EncodeRequest:
     parts = [common_pb2.ContentPart(text="Hi")]
     if image is not None:
         parts.insert(0, common_pb2.ContentPart(image=common_pb2.ImageSource(data=image)))
     message = common_pb2.ChatMessage(role="user", content=parts)
-    return encoder_pb2.EncodeRequest(room=room, request_id=f"direct-{room}", messages=[message])
+    return encoder_pb2.EncodeRequest(
+        room=room, request_id=f"direct-{room}", messages=[message], timeout_s=timeout_s
+    )
 
 
 def test_sigterm_an_encoder_with_rooms_queued_and_in_transfer(
@@ -142,8 +146,8 @@ def test_sigterm_an_encoder_with_rooms_queued_and_in_transfer(
 ) -> None:
     """Image requests of 448x448 noise (every one distinct: no cache hits) keep rooms queued for
     the victim's ViT and in transfer when SIGTERM comes. A room encoded for nobody (sent to the
-    victim directly: no language worker ever asks for it) keeps its drain going until the
-    transfer's bootstrap timeout ends that room, so the checks made during the drain do not
+    victim directly: no language worker ever asks for it) keeps its drain going until that
+    request's deadline ends the room, so the checks made during the drain do not
     race its end. The encoders take as many Encode calls at once as there are requests (the
     survivor alone gets them all once the victim left)."""
     worker_args = (*WORKER_ARGS, "--grpc-workers", str(NUM_REQUESTS + 8))
@@ -156,7 +160,9 @@ def test_sigterm_an_encoder_with_rooms_queued_and_in_transfer(
         wait_for(lambda: stack.encoder_load(0).num_queued_requests, 60, "rooms queued on it")
         with stack.channel(victim.address) as channel:
             stub = encoder_pb2_grpc.EncoderStub(channel)
-            stub.Encode(encode_request(4242, png_bytes(noise_image(4242, 56))), timeout=10)
+            # its request's deadline (15 s) ends it: a room is waited for while its request lives
+            lonely = encode_request(4242, png_bytes(noise_image(4242, 56)), timeout_s=15.0)
+            stub.Encode(lonely, timeout=10)
             sigterm_at = time.monotonic()
             victim.kill(signal.SIGTERM)
 
@@ -164,7 +170,7 @@ def test_sigterm_an_encoder_with_rooms_queued_and_in_transfer(
             rooms = itertools.count(1)  # a probe taken before the gate closed holds its room
             details = wait_for(
                 lambda: refused_while_draining(
-                    lambda: stub.Encode(encode_request(next(rooms)), timeout=10)
+                    lambda: stub.Encode(encode_request(next(rooms), timeout_s=15.0), timeout=10)
                 ),
                 5,
                 "the victim refusing new work",
