@@ -45,6 +45,7 @@ class Admitted:
     _cancels: list[Callable[[], object]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _cancelled: threading.Event = field(default_factory=threading.Event)
+    _closed: bool = False
 
     def wait_cancelled(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s``; True as soon as the request is cancelled."""
@@ -58,13 +59,23 @@ class Admitted:
                 return
         cancel()
 
-    def cancel(self) -> None:
+    def close(self) -> None:
+        """The final chunk is on its way to the client: nothing may cancel the request now
+        (an Abort that comes later finds no request), so it ends with one terminal status."""
         with self._lock:
+            self._closed = True
+
+    def cancel(self) -> bool:
+        """Cancel everything the request started; False when it was already closed."""
+        with self._lock:
+            if self._closed:
+                return False
             self.cancelled = True
             cancels, self._cancels = self._cancels, []
         self._cancelled.set()
         for cancel in cancels:
             cancel()
+        return True
 
 
 class Admission:
@@ -94,8 +105,7 @@ class Admission:
             admitted = self._in_flight.get(request_id)
         if admitted is None or admitted.owner != owner:
             return False
-        admitted.cancel()
-        return True
+        return admitted.cancel()
 
     @property
     def num_in_flight(self) -> int:

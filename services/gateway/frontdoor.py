@@ -96,7 +96,10 @@ class FrontDoor:
             for chunk in stream:
                 if ttft_s is None and chunk.token_ids:
                     ttft_s = time.monotonic() - admitted.admitted_at
-                finished = finished or bool(chunk.finish_reason)
+                if chunk.finish_reason:
+                    finished = True
+                    admitted.close()  # an Abort from now on finds nothing to abort
+                    self.admission.finish(admitted)
                 yield chunk
             outcome = grpc.StatusCode.OK.name
         except GatewayError as exc:

@@ -126,9 +126,9 @@ def run_stream(client: GatewayClient, request, timeout: float, cancel: str, rid:
                 problem = "a chunk after the final one"
             if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 finals += 1
-            if n == 0 and cancel == "late":
+            if n == 0 and not finals and cancel == "late":
                 call.cancel()
-            if n == 0 and cancel == "abort":
+            if n == 0 and not finals and cancel == "abort":
                 abort(client, rid)
     except grpc.RpcError as exc:
         if finals:
