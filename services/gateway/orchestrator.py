@@ -412,6 +412,8 @@ class Orchestrator:
                     raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED)
                 if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     self._finalize(out, chunk, dispatch, start, first_token_at)
+                    yield out
+                    return  # the final chunk ends the request, whatever the call does next
                 yield out
         except grpc.RpcError as exc:
             if admitted.cancelled:
