@@ -49,6 +49,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 ARCH = "qwen2_5_vl"
 NUM_REQUESTS = int(os.environ.get("EPD_SOAK_REQUESTS", "10000"))
 CONCURRENCY = 16
+KV_POOL_MB = 64
 KILL_AT, RESTART_AT = 0.40, 0.55  # fractions of the requests finished
 KILL_WINDOW_S = 5.0  # after the kill, how long a request may still meet the dead worker
 IMAGES = [png_bytes(noise_image(seed, size)) for seed, size in enumerate([56, 84, 112, 140] * 3)]
@@ -190,8 +191,15 @@ def requests_counted(port: int) -> float:
 
 
 def test_soak(tiny_model_dir, tmp_path) -> None:
+    # A KV pool the run fills many times over: its pages are touched as slots are first used,
+    # so only a pool that is cycled (evicted and reused) shows whether memory stops growing.
     stack: Stack = start_stack(
-        tiny_model_dir(ARCH), tmp_path, num_encoders=2, num_languages=2, metrics=True
+        tiny_model_dir(ARCH),
+        tmp_path,
+        num_encoders=2,
+        num_languages=2,
+        metrics=True,
+        env={"EPD_LANGUAGE_KV_CACHE_MEMORY_MB": str(KV_POOL_MB)},
     )
     try:
         soak(stack)
