@@ -77,10 +77,12 @@ def tiff_grey(values: np.ndarray, big_endian: bool = True) -> bytes:
 def encoder_process(model_dir, *args: str, env: dict | None = None, startup_s: float = 90.0):
     """An encoder server in its own process (``python -m services.encoder.server``); yields
     ``(address, lines)`` where ``lines`` keeps filling with its output (drained by a thread, so
-    the child never blocks on a full pipe). Stopped with SIGTERM, which must exit cleanly."""
+    the child never blocks on a full pipe). Stopped with SIGTERM, which must exit cleanly — at
+    once (``--drain-timeout-s 0``): the rooms its tests leave for receivers that never come are
+    not awaited (draining is the e2e drain tests' business)."""
     cmd = [
         sys.executable, "-m", "services.encoder.server", "--model-path", str(model_dir),
-        "--device", "cpu", "--port", "0", *args,
+        "--device", "cpu", "--port", "0", "--drain-timeout-s", "0", *args,
     ]  # fmt: skip
     full_env = dict(os.environ, GLOG_minloglevel="2", MC_LOG_LEVEL="ERROR", **(env or {}))
     proc = subprocess.Popen(
