@@ -35,20 +35,31 @@ def runtime_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 PR_SET_PDEATHSIG = 1
+# Set by ServiceProcess for its child: the pid it must die with (read once, by ``epd``'s main).
+PARENT_PID_ENV = "EPD_DIE_WITH_PARENT"
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
-    """In a freshly forked child: receive ``sig`` when the parent dies, however it dies.
+    """In a child process: receive ``sig`` when the parent dies, however it dies.
 
-    NOTE: the signal fires when the *thread* that forked the child ends, so start children from
-    a thread that lives as long as they should (the main thread here). The parent may already be
-    gone between fork and this call; then the child leaves at once.
+    NOTE: the signal fires when the *thread* that started the child ends, so start children
+    from a thread that lives as long as they should (the main thread here). The parent may
+    already be gone before this call; then the child leaves at once.
     """
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
+
+
+def die_with_parent_from_env(sig: int = signal.SIGTERM) -> None:
+    """At a child's start, before anything else: ``die_with_parent`` for the pid that
+    ``PARENT_PID_ENV`` names (taken out of the environment, so the child's own children are
+    not bound to it)."""
+    parent = os.environ.pop(PARENT_PID_ENV, "")
+    if parent:
+        die_with_parent(int(parent), sig)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -93,16 +104,19 @@ class ServiceProcess:
         self.address = address
         self.security = security
         self.log_path = Path(log_dir) / f"{name}.log"
-        env = runtime_env({"PYTHONUNBUFFERED": "1", **(env or {})})
+        # NOTE: no preexec_fn: it makes Popen fork, and a fork while gRPC threads run in this
+        # process ran gRPC's fork handlers in the child, which sometimes aborted there before the
+        # exec ("epoll_wait error: Bad file descriptor", exit -6). The child binds itself to
+        # this process first thing instead (``die_with_parent_from_env`` in ``epd``'s main).
+        parent = {PARENT_PID_ENV: str(os.getpid())}
+        env = runtime_env({"PYTHONUNBUFFERED": "1", **(env or {}), **parent})
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        parent = os.getpid()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=lambda: die_with_parent(parent),
         )
 
     def alive(self) -> bool:

@@ -25,6 +25,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.procs import die_with_parent_from_env
+
+    die_with_parent_from_env()  # a child of ServiceProcess: first, bind its life to the parent
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         width = max(map(len, COMMANDS))
