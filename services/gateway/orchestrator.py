@@ -111,6 +111,17 @@ class EncoderRoom:
         return True
 
 
+@dataclass(frozen=True)
+class Job:
+    """One admitted request on its way through dispatch: what every step of it needs."""
+
+    request: gateway_pb2.GenerateRequest
+    sampling: common_pb2.SamplingParams  # the request's, with the default max_new_tokens
+    key: RoutingKey
+    admitted: Admitted
+    deadline: float  # time.monotonic()
+
+
 @dataclass
 class Dispatch:
     """The workers serving one request, and when it was sent to them."""
@@ -176,8 +187,9 @@ class Orchestrator:
         key = routing_key(list(request.messages))
         ordered, reason = self._order(Role.LANGUAGE, self.registry.healthy(Role.LANGUAGE), key)
         languages = self._fitting(ordered, sampling.max_new_tokens, request.sampling)
+        job = Job(request, sampling, key, admitted, deadline)
         for retry in range(1 + self.config.language_retries):
-            dispatch = self._dispatch(request, sampling, key, languages, admitted, deadline)
+            dispatch = self._dispatch(job, languages)
             language = dispatch.language
             if retry:
                 reason = "retry"
@@ -196,29 +208,19 @@ class Orchestrator:
                 last = exc.error
         raise last
 
-    def _dispatch(
-        self,
-        request: gateway_pb2.GenerateRequest,
-        sampling: common_pb2.SamplingParams,
-        key: RoutingKey,
-        languages: list[Worker],
-        admitted: Admitted,
-        deadline: float,
-    ) -> Dispatch:
+    def _dispatch(self, job: Job, languages: list[Worker]) -> Dispatch:
         """Start the request on the first of ``languages`` (with an encoder of its layout when
         it has images)."""
-        if num_images(list(request.messages)) == 0:
+        if num_images(list(job.request.messages)) == 0:
             language = languages[0]
             self.metrics.routing.labels("encoder", "text_only").inc()
             call = self._start_language(
-                language, sampling, self._remaining(deadline), messages=request.messages
+                language, job.sampling, self._remaining(job.deadline), messages=job.request.messages
             )
-            admitted.on_cancel(call.cancel)  # Abort and client cancel reach the language worker
+            job.admitted.on_cancel(call.cancel)  # Abort and client cancel reach the language worker
             return Dispatch(language, None, time.monotonic(), call)
-        language, encoders = self._pair(languages, key)
-        return self._dispatch_with_images(
-            request, sampling, key, language, encoders, admitted, deadline
-        )
+        language, encoders = self._pair(languages, job.key)
+        return self._dispatch_with_images(job, language, encoders)
 
     # ---- routing ------------------------------------------------------------------------
     def _order(
@@ -281,24 +283,13 @@ class Orchestrator:
             endpoint = info.get("transfer_endpoint", "")
         return endpoint
 
-    def _dispatch_with_images(
-        self,
-        request: gateway_pb2.GenerateRequest,
-        sampling: common_pb2.SamplingParams,
-        key: RoutingKey,
-        language: Worker,
-        encoders: list[Worker],
-        admitted: Admitted,
-        deadline: float,
-    ) -> Dispatch:
+    def _dispatch_with_images(self, job: Job, language: Worker, encoders: list[Worker]) -> Dispatch:
         """Dispatch to the first encoder that accepts the room; while every one tried is busy,
         wait and go round again (see the module's docstring)."""
-        give_up_at = min(deadline, time.monotonic() + self.config.encoder_busy_wait_s)
+        give_up_at = min(job.deadline, time.monotonic() + self.config.encoder_busy_wait_s)
         backoff = BUSY_BACKOFF_S[0]
         while True:
-            outcome = self._try_encoders(
-                request, sampling, key, language, encoders, admitted, deadline
-            )
+            outcome = self._try_encoders(job, language, encoders)
             if isinstance(outcome, Dispatch):
                 return outcome
             error = outcome
@@ -306,25 +297,18 @@ class Orchestrator:
             if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or wait_s <= 0:
                 raise error
             self.metrics.routing.labels("encoder", "busy_wait").inc()
-            if admitted.wait_cancelled(wait_s):
+            if job.admitted.wait_cancelled(wait_s):
                 raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED)
             backoff = min(2 * backoff, BUSY_BACKOFF_S[1])
 
     def _try_encoders(
-        self,
-        request: gateway_pb2.GenerateRequest,
-        sampling: common_pb2.SamplingParams,
-        key: RoutingKey,
-        language: Worker,
-        encoders: list[Worker],
-        admitted: Admitted,
-        deadline: float,
+        self, job: Job, language: Worker, encoders: list[Worker]
     ) -> Dispatch | GatewayError:
         """One round over the encoders: the dispatch, or the error that ends the round — a
         busy encoder's ``RESOURCE_EXHAUSTED`` when there was one (waiting may help), else the
         last retriable failure."""
         budget = max_seq_len(language)
-        max_prompt_tokens = budget - sampling.max_new_tokens if budget else 0
+        max_prompt_tokens = budget - job.sampling.max_new_tokens if budget else 0
         last_error: GatewayError | None = None
         busy: GatewayError | None = None
         for attempt, encoder in enumerate(encoders[: 1 + self.config.encoder_retries]):
@@ -338,21 +322,21 @@ class Orchestrator:
                 )
                 continue
             room = secrets.randbits(63) or 1
-            timeout_s = self._remaining(deadline)
+            timeout_s = self._remaining(job.deadline)
             call = self._start_language(
-                language, sampling, timeout_s, room=room, encoder_endpoint=endpoint
+                language, job.sampling, timeout_s, room=room, encoder_endpoint=endpoint
             )
-            admitted.on_cancel(call.cancel)
+            job.admitted.on_cancel(call.cancel)
             try:
                 encoded = calls.encode(
-                    encoder, room, new_call_id(), request.messages, timeout_s, max_prompt_tokens
+                    encoder, room, new_call_id(), job.request.messages, timeout_s, max_prompt_tokens
                 )
-                admitted.on_cancel(encoded.cancel)
+                job.admitted.on_cancel(encoded.cancel)
                 encoded.result()
             except (grpc.RpcError, grpc.FutureCancelledError) as exc:
                 # NOTE: FutureCancelledError: the request was cancelled while Encode was in flight
                 call.cancel()  # the language worker aborts the room and frees its blocks
-                if admitted.cancelled:
+                if job.admitted.cancelled:
                     calls.cancel_room(encoder, room, "request cancelled")
                     raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED) from None
                 last_error = _status_from_rpc(exc, f"encoder {encoder.address}")
@@ -364,8 +348,8 @@ class Orchestrator:
                     continue
                 raise last_error from None
             accepted = EncoderRoom(encoder, room)
-            admitted.on_cancel(partial(accepted.cancel, "request cancelled"))
-            self.encoder_policy.on_routed(encoder, key)
+            job.admitted.on_cancel(partial(accepted.cancel, "request cancelled"))
+            self.encoder_policy.on_routed(encoder, job.key)
             return Dispatch(language, encoder, time.monotonic(), call, accepted)
         assert last_error is not None
         return busy or last_error
