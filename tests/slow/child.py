@@ -14,12 +14,22 @@ import time
 from pathlib import Path
 
 
+def _status_bytes(pid: int | str, key: str) -> int:
+    """A memory figure (``VmHWM``, ``VmRSS``, ...) of a live process, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} for process {pid}")
+
+
 def peak_rss_bytes(pid: int | str = "self") -> int:
     """``VmHWM`` of a live process: the most resident memory it has had."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for process {pid}")
+    return _status_bytes(pid, "VmHWM")
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """``VmRSS`` of a live process: its resident memory now."""
+    return _status_bytes(pid, "VmRSS")
 
 
 def build(arch: str, size: str, out: str) -> dict:

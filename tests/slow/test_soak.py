@@ -32,7 +32,6 @@ import random
 import signal
 import threading
 import time
-import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +42,8 @@ import pytest
 from protos.epd.v1 import common_pb2, gateway_pb2
 from services.gateway.client import GatewayClient, build_request
 from tests.e2e.conftest import Stack, noise_image, png_bytes, start_stack
+from tests.http.conftest import outcomes
+from tests.slow.child import rss_bytes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 
@@ -172,24 +173,6 @@ def send(client: GatewayClient, i: int, kind: str, rng: random.Random) -> Result
     return Result(kind, code, details, started, time.monotonic(), problem)
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def requests_counted(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("epd_gateway_requests_total{")
-    )
-
-
 def test_soak(tiny_model_dir, tmp_path) -> None:
     # A KV pool the run fills many times over: its pages are touched as slots are first used,
     # so only a pool that is cycled (evicted and reused) shows whether memory stops growing.
@@ -211,7 +194,7 @@ def soak(stack: Stack) -> None:
     rng = random.Random(20261123)
     kinds = rng.choices(list(MIX), weights=list(MIX.values()), k=NUM_REQUESTS)
     seeds = [rng.randrange(2**32) for _ in range(NUM_REQUESTS)]
-    counted_before = requests_counted(stack.metrics_ports["gateway"])
+    counted_before = sum(outcomes(stack).values())
     survivors = [stack.gateway, *stack.encoders, stack.languages[0]]
     rss: dict[str, list[float]] = {p.name: [] for p in survivors}
     victim = stack.languages[1]
@@ -238,7 +221,7 @@ def soak(stack: Stack) -> None:
         for tenth in range(1, 11):
             wait_done(tenth / 10 if tenth < 10 else 0.999)
             for p in survivors:
-                rss[p.name].append(rss_mib(p.proc.pid))
+                rss[p.name].append(rss_bytes(p.proc.pid) / 2**20)
             if tenth == round(KILL_AT * 10):
                 kill_at.append(time.monotonic())
                 victim.kill(signal.SIGKILL)
@@ -247,9 +230,9 @@ def soak(stack: Stack) -> None:
         results = [f.result() for f in futures]
     elapsed = time.monotonic() - start
 
-    outcomes = Counter((r.kind, r.code.name) for r in results)
+    by_kind = Counter((r.kind, r.code.name) for r in results)
     print(f"\nsoak: {NUM_REQUESTS} requests in {elapsed:.0f} s ({NUM_REQUESTS / elapsed:.1f}/s)")
-    for (kind, code), n in sorted(outcomes.items()):
+    for (kind, code), n in sorted(by_kind.items()):
         print(f"  {kind:<13} {code:<18} {n}")
     for r in results:
         if r.code == grpc.StatusCode.UNAVAILABLE:
@@ -274,7 +257,7 @@ def soak(stack: Stack) -> None:
     assert ok >= 0.95 * sum(r.kind in ("text", "image", "images2") for r in results)
 
     # a stream cancelled before it was sent may never reach the gateway
-    counted = requests_counted(stack.metrics_ports["gateway"]) - counted_before
+    counted = sum(outcomes(stack).values()) - counted_before
     unsent = sum(r.kind == "cancel_early" for r in results)
     assert NUM_REQUESTS - unsent <= counted <= NUM_REQUESTS, (counted, NUM_REQUESTS, unsent)
 
