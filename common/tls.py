@@ -66,7 +66,9 @@ def check_ca(ca_file: str) -> None:
         raise ValueError(f"CA file {ca_file} holds no usable certificate: {exc.reason}") from None
 
 
-def _stamp(paths: tuple[str, ...]) -> tuple:
+def file_stamps(paths: tuple[str, ...]) -> tuple:
+    """What tells a file's replacement apart (inode, size, mtime) for each of ``paths``; None
+    for a missing one. Equal stamps: nothing was renewed."""
     stamps = []
     for path in paths:
         try:
@@ -101,10 +103,10 @@ class ServerTLS:
         """Credentials that follow the files (see the module docstring)."""
         files = tuple(p for p in (self.cert_file, self.key_file, self.client_ca_file) if p)
         lock = threading.Lock()
-        seen = [_stamp(files)]
+        seen = [file_stamps(files)]
 
         def fetch():
-            stamp = _stamp(files)
+            stamp = file_stamps(files)
             with lock:
                 if stamp == seen[0]:
                     return None

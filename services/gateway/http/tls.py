@@ -13,26 +13,14 @@ certificate and is logged.
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 import threading
 import time
 
-from common.tls import ServerTLS, check_key_pair
+from common.tls import ServerTLS, check_key_pair, file_stamps
 
 log = logging.getLogger(__name__)
 RECHECK_S = 1.0
-
-
-def _stamp(paths: tuple[str, ...]) -> tuple:
-    out = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-        except OSError:
-            out.append(None)
-    return tuple(out)
 
 
 class _Reloader:
@@ -40,7 +28,7 @@ class _Reloader:
         self.tls = tls
         self.files = (tls.cert_file, tls.key_file)
         self.lock = threading.Lock()
-        self.stamp = _stamp(self.files)
+        self.stamp = file_stamps(self.files)
         self.checked_at = time.monotonic()
         self.current = self.load()
 
@@ -61,7 +49,7 @@ class _Reloader:
             if now - self.checked_at < RECHECK_S:
                 return self.current
             self.checked_at = now
-            stamp = _stamp(self.files)
+            stamp = file_stamps(self.files)
             if stamp == self.stamp:
                 return self.current
             self.stamp = stamp
