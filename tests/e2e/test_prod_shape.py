@@ -58,21 +58,28 @@ def compare(reply, expected: torch.Tensor, tol: float) -> float:
     return worst
 
 
-def test_bf16_encoder_fp32_language_equals_reference(tiny_model_dir, stack_factory) -> None:
-    model_dir = tiny_model_dir(ARCH)
-    ref = HFReference(model_dir, wire_dtype=torch.bfloat16, vision_dtype=torch.bfloat16)
-    image = noise_image(21, 112, 84)
-    inputs = ref.build_inputs(PROMPT, [image])
-    expected = ref.generate(inputs, MAX_TOKENS)
+def ask_bf16_encoder(stack_factory, model_dir, image, language_dtype: str):
+    """A stack with a bf16 encoder and a language worker in ``language_dtype`` over Mooncake,
+    and its greedy answer (with log-probabilities) to PROMPT and ``image``."""
     stack = stack_factory(
         model_dir,
-        env={**MOONCAKE, "EPD_ENCODER_DTYPE": "bfloat16", "EPD_LANGUAGE_DTYPE": "float32"},
+        env={**MOONCAKE, "EPD_ENCODER_DTYPE": "bfloat16", "EPD_LANGUAGE_DTYPE": language_dtype},
     )
     with stack.client() as client:
         reply = client.generate(
             PROMPT, [png_bytes(image)], max_tokens=MAX_TOKENS, timeout=60, logprobs=True,
             top_logprobs=TOP,
         )  # fmt: skip
+    return stack, reply
+
+
+def test_bf16_encoder_fp32_language_equals_reference(tiny_model_dir, stack_factory) -> None:
+    model_dir = tiny_model_dir(ARCH)
+    ref = HFReference(model_dir, wire_dtype=torch.bfloat16, vision_dtype=torch.bfloat16)
+    image = noise_image(21, 112, 84)
+    inputs = ref.build_inputs(PROMPT, [image])
+    expected = ref.generate(inputs, MAX_TOKENS)
+    stack, reply = ask_bf16_encoder(stack_factory, model_dir, image, language_dtype="float32")
     assert list(reply.token_ids) == expected
     assert len(reply.logprobs) == len(reply.token_ids)
     compare(reply, ref.next_token_logprobs(inputs), FP32_LOGPROB_TOL)
@@ -86,15 +93,7 @@ def test_bf16_everywhere_matches_reference_logprobs(tiny_model_dir, stack_factor
     ref = HFReference(model_dir, dtype=torch.bfloat16)
     image = noise_image(22, 112, 84)
     inputs = ref.build_inputs(PROMPT, [image])
-    stack = stack_factory(
-        model_dir,
-        env={**MOONCAKE, "EPD_ENCODER_DTYPE": "bfloat16", "EPD_LANGUAGE_DTYPE": "bfloat16"},
-    )
-    with stack.client() as client:
-        reply = client.generate(
-            PROMPT, [png_bytes(image)], max_tokens=MAX_TOKENS, timeout=60, logprobs=True,
-            top_logprobs=TOP,
-        )  # fmt: skip
+    stack, reply = ask_bf16_encoder(stack_factory, model_dir, image, language_dtype="bfloat16")
     assert list(reply.token_ids) == ref.generate(inputs, MAX_TOKENS)  # same arithmetic here
     compare(reply, ref.next_token_logprobs(inputs), BF16_LOGPROB_TOL)
     stack.wait_no_leaks()
