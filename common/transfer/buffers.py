@@ -82,19 +82,29 @@ class DataBuffers:
             self.fill_ids[slot : slot + length] = fill_ids[token : token + length]
             self.positions[slot : slot + length] = pos[token : token + length]
             token += length
-        if len(image_rows):
-            _scatter(self.rows, self.runs(block_ids, 0, len(image_rows)), image_rows)
+        self.write_rows(block_ids, 0, image_rows)
 
-    def read_tokens(self, block_ids: Sequence[int], count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of (fill ids ``[count]``, positions ``[3, count]``) from slots 0..count-1."""
-        runs = self.runs(block_ids, 0, count) or [(0, 0)]
+    def write_rows(self, block_ids: Sequence[int], first_row: int, rows: torch.Tensor) -> None:
+        """Store ``rows`` at row slots ``first_row``.. of ``block_ids``."""
+        if len(rows):
+            _scatter(self.rows, self.runs(block_ids, first_row, len(rows)), rows)
+
+    def read_tokens(
+        self, block_ids: Sequence[int], count: int, offset: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of (fill ids ``[count]``, positions ``[3, count]``) from slots
+        ``offset..offset+count-1``."""
+        runs = self.runs(block_ids, offset, count) or [(0, 0)]
         fill = np.concatenate([self.fill_ids[s : s + n] for s, n in runs])
         pos = np.concatenate([self.positions[s : s + n] for s, n in runs])
         return fill, np.ascontiguousarray(pos.T)
 
-    def read_rows(self, block_ids: Sequence[int], count: int, out: torch.Tensor) -> None:
-        """Copy row slots 0..count-1 into ``out`` (contiguous ``[count, row_width]``)."""
-        _gather_into(self.rows, self.runs(block_ids, 0, count), out)
+    def read_rows(
+        self, block_ids: Sequence[int], count: int, out: torch.Tensor, offset: int = 0
+    ) -> None:
+        """Copy row slots ``offset..offset+count-1`` into ``out`` (contiguous
+        ``[count, row_width]``)."""
+        _gather_into(self.rows, self.runs(block_ids, offset, count), out)
 
     def row_view(self, block_ids: Sequence[int], count: int) -> torch.Tensor | None:
         """Row slots 0..count-1 as one view into the buffer, or None when they are not one run.

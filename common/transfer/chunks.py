@@ -53,9 +53,20 @@ def layout_fields(layout: BufferLayout) -> dict:
     )
 
 
-def dest_row_offset(row_prefix: np.ndarray, init: transfer_pb2.TransferInit) -> int:
-    """Row slot of the chunk's first image row: the rows of the tokens already in place."""
-    return int(row_prefix[init.sent_tokens] - row_prefix[init.sent_tokens - init.dest_token_offset])
+def partial_end(chunk_end: int, dest_slot: int, block_size: int) -> int:
+    """Where a chunk that stops short of its init (its data is not all ready) must end so that
+    the next chunk starts on a destination block boundary: ``chunk_end`` lands at destination
+    slot ``dest_slot``; the end moves back to the start of that slot's block."""
+    return chunk_end - dest_slot % block_size
+
+
+def dest_row_offset(
+    row_prefix: np.ndarray, init: transfer_pb2.TransferInit, sent_tokens: int | None = None
+) -> int:
+    """Row slot of the chunk's first image row: the rows of the tokens already in place (the
+    chunk starts at ``sent_tokens``, by default the init's)."""
+    start = init.sent_tokens if sent_tokens is None else sent_tokens
+    return int(row_prefix[start] - row_prefix[init.sent_tokens - init.dest_token_offset])
 
 
 def build_segments(
@@ -65,9 +76,11 @@ def build_segments(
     chunk: ChunkInfo,
     rows_at: int,
     aux_len: int,
+    tokens_at: int | None = None,
 ) -> Segments:
     """All segments of one chunk (every field), split where either side stops being contiguous;
-    rows land at row slot ``rows_at`` (see ``dest_row_offset``)."""
+    rows land at row slot ``rows_at`` (see ``dest_row_offset``), tokens at token slot
+    ``tokens_at`` (by default the init's ``dest_token_offset``)."""
     dst_blocks = list(init.block_ids)
     src_addrs: list[int] = []
     dst_addrs: list[int] = []
@@ -85,12 +98,13 @@ def build_segments(
             dst_addrs.append(dst_base + d * width)
             lengths.append(n * width)
 
-    tokens_at = init.dest_token_offset
+    if tokens_at is None:
+        tokens_at = init.dest_token_offset
     add("rows", init.rows.base, chunk.first_image_row, rows_at, chunk.num_image_rows)
     add("fill_ids", init.fill_ids.base, chunk.chunk_start, tokens_at, chunk.num_tokens)
     add("positions", init.positions.base, chunk.chunk_start, tokens_at, chunk.num_tokens)
     src_addrs.append(buffers.base("aux") + src_blocks[0] * buffers.slot_bytes["aux"])
-    aux_block = dst_blocks[init.dest_token_offset // init.block_size]  # holds the first token
+    aux_block = dst_blocks[tokens_at // init.block_size]  # holds the first token
     dst_addrs.append(init.aux.base + aux_block * init.aux_record_bytes)
     lengths.append(aux_len)
     return Segments(src_addrs, dst_addrs, lengths)

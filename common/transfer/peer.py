@@ -64,6 +64,18 @@ class _Handler:
                 return False
             time.sleep(0.005)
 
+    def begin(self, spec: RequestSpec, num_rows: int) -> bool:
+        """Begin a synthetic request with its first ``num_rows`` image rows (``add_rows`` the
+        rest), the way an encoder ships image by image."""
+        req = make_request(spec, self.side.layout)
+        args = (req.fill_ids, req.positions, req.aux, req.image_mask)
+        return self.side.begin(spec.seed, *args, image_rows=req.image_rows[:num_rows])
+
+    def add_rows(self, spec: RequestSpec, start: int, end: int) -> None:
+        """Rows ``[start, end)`` of a begun synthetic request."""
+        req = make_request(spec, self.side.layout)
+        self.side.add_rows(spec.seed, req.image_rows[start:end])
+
     def submit_all(self, specs: list[RequestSpec]) -> bool:
         return all(self.submit(spec, 10.0) for spec in specs)
 

@@ -47,16 +47,20 @@ from .layout import BufferLayout
 from .receiver_chunks import ReceiverChunks
 from .receiver_room import ReceiverRoom
 from .transport import uses_shm
-from .types import FailureKind, ReceivedEmbeddings, RoomState, TransferError
+from .types import FailureKind, ReceivedChunk, ReceivedEmbeddings, RoomState, TransferError
 
 logger = logging.getLogger(__name__)
 
 MAX_FINISHED_ROOMS = 100_000
-Done = tuple[int, ReceivedEmbeddings | TransferError]
+Done = tuple[int, ReceivedEmbeddings | TransferError | ReceivedChunk]
 
 
 class EmbeddingReceiver(ReceiverChunks):
-    def __init__(self, config: TransferConfig, layout: BufferLayout) -> None:
+    def __init__(
+        self, config: TransferConfig, layout: BufferLayout, report_progress: bool = False
+    ) -> None:
+        # report each chunk of a room still in flight (``ReceivedChunk``) before its outcome
+        self.report_progress = report_progress
         self._rooms: dict[int, ReceiverRoom] = {}
         self._finished: collections.OrderedDict[int, RoomState] = collections.OrderedDict()
         self._done: list[Done] = []
@@ -107,7 +111,9 @@ class EmbeddingReceiver(ReceiverChunks):
             return self._finished[room]
 
     def pop_done(self, timeout_s: float = 0.0) -> list[Done]:
-        """Rooms that ended since the last call, each reported exactly once (aborts excluded).
+        """Rooms that ended since the last call, each reported exactly once (aborts excluded);
+        with ``report_progress`` also the chunks that landed meanwhile (``ReceivedChunk``), in
+        order, before their room's outcome.
 
         With ``timeout_s`` > 0, waits up to that long for at least one.
         """
@@ -202,6 +208,7 @@ class EmbeddingReceiver(ReceiverChunks):
         msg.init.num_tokens_allocated = allocation.num_tokens - in_place
         msg.init.sent_tokens = sent
         msg.init.dest_token_offset = in_place
+        msg.init.accepts_partial = True
         state.awaiting_write = state.init_sent = True
         self.peers.watch(state.sender_endpoint, now)
         if state.state == RoomState.BOOTSTRAPPING:
@@ -265,10 +272,13 @@ class EmbeddingReceiver(ReceiverChunks):
             self._finished[state.room] = state.state
             while len(self._finished) > MAX_FINISHED_ROOMS:
                 self._finished.popitem(last=False)
-            self._done.append((state.room, outcome))
-            self._done_ready.notify_all()
-            if self.on_done is not None:
-                self.on_done()
+            self._report(state.room, outcome)
+
+    def _report(self, room: int, outcome: ReceivedEmbeddings | TransferError | ReceivedChunk):
+        self._done.append((room, outcome))
+        self._done_ready.notify_all()
+        if self.on_done is not None:
+            self.on_done()
 
     def _fail(
         self, state: ReceiverRoom, kind: FailureKind, reason: str, report: bool = True

@@ -23,7 +23,7 @@ from .allocator import Allocation
 from .control import MAX_INIT_BLOCKS
 from .endpoint import TransferEndpoint
 from .receiver_room import ReceiverRoom
-from .types import FailureKind, ReceivedEmbeddings, RoomState, TransferError
+from .types import FailureKind, ReceivedChunk, ReceivedEmbeddings, RoomState, TransferError
 
 MAX_PEER_TEXT = 200  # characters of a peer's error text kept in a failure reason
 MAX_ACK_WAIT_S = 86_400.0  # a longer wait_s in an acknowledgement is read as this
@@ -49,6 +49,10 @@ class ReceiverChunks(TransferEndpoint):
     @abstractmethod
     def _end(self, state: ReceiverRoom, outcome: ReceivedEmbeddings | TransferError | None):
         """Forget the room; report ``outcome`` to ``pop_done`` (None: not reported)."""
+
+    @abstractmethod
+    def _report(self, room: int, outcome: ReceivedChunk) -> None:
+        """Report a chunk of a room still in flight to ``pop_done``."""
 
     @abstractmethod
     def _free(self, allocation: Allocation) -> None:
@@ -114,11 +118,15 @@ class ReceiverChunks(TransferEndpoint):
         return status.room not in self._rooms
 
     def _on_ack(self, state: ReceiverRoom, status: transfer_pb2.TransferStatus) -> None:
-        """The sender holds our first init until the data comes, for ``wait_s`` at most: wait
-        that long (plus a write and a heartbeat timeout) instead of the unacknowledged bound."""
+        """The sender holds our init until the data comes, for ``wait_s`` at most: wait that
+        long (plus a write and a heartbeat timeout) instead of the unacknowledged bound. The
+        first init's, or (minor 4) one mid-room while the encoder works on the next image."""
         wait_s = status.wait_s
-        waiting = state.state == RoomState.WAITING_FOR_INPUT and state.awaiting_write
-        if not waiting or state.received or not wait_s >= 0.0:  # NaN is not >= 0 either
+        if state.received:
+            waiting = state.sender_minor >= messages.MINOR_PARTIAL and state.awaiting_write
+        else:
+            waiting = state.state == RoomState.WAITING_FOR_INPUT and state.awaiting_write
+        if not waiting or not wait_s >= 0.0:  # NaN is not >= 0 either
             self.counters["unexpected_status"] += 1
             return
         state.acked = True
@@ -166,6 +174,20 @@ class ReceiverChunks(TransferEndpoint):
             return
         if done:
             self._deliver(state)
+            return
+        if self.report_progress:
+            self._report(state.room, state.read_chunk(self.buffers, chunk))
+        if status.partial:  # more of this init comes as the sender's data becomes ready
+            if state.sender_minor < messages.MINOR_PARTIAL or state.num_tokens_in_place >= (
+                state.allocation.num_tokens
+            ):
+                detail = "a partial chunk filled its allocation"
+                self._fail(state, mismatch, mismatch.reason(detail))
+                return
+            state.awaiting_write = True
+            state.move(RoomState.TRANSFERRING)
+            now = time.monotonic()
+            state.deadline = now + self.config.transfer_timeout_s + self.config.heartbeat_timeout_s
             return
         if state.continuation_at:  # asked for at the announcement: its write may be landing
             if state.received != state.continuation_at:

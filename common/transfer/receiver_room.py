@@ -13,7 +13,7 @@ from .allocator import Allocation
 from .aux_record import ChunkInfo
 from .buffers import DataBuffers
 from .layout import BufferLayout
-from .types import AuxInfo, FailureKind, ReceivedEmbeddings, RoomState, advance
+from .types import AuxInfo, FailureKind, ReceivedChunk, ReceivedEmbeddings, RoomState, advance
 
 
 @dataclass
@@ -95,12 +95,26 @@ class ReceiverRoom:
         return self.held_start == 0
 
     def land(self, aux: AuxInfo, chunk: ChunkInfo) -> None:
-        """Book a chunk that landed in ``allocation`` behind what was there (nothing is copied)."""
-        if self.aux is None:
-            self.aux = aux
+        """Book a chunk that landed in ``allocation`` behind what was there (nothing is copied).
+        The latest chunk's metadata is kept (a sender shipping image by image knows its
+        timings only at the end)."""
+        self.aux = aux
         self.received = chunk.chunk_start + chunk.num_tokens
         self.num_image_rows_received = chunk.first_image_row + chunk.num_image_rows
         self.num_transfers += 1
+
+    def read_chunk(self, buffers: DataBuffers, chunk: ChunkInfo) -> ReceivedChunk:
+        """Copies of a chunk that just landed in ``allocation`` (before anything moves it)."""
+        assert self.allocation is not None and self.aux is not None
+        ids = self.allocation.block_ids
+        fill, pos = buffers.read_tokens(ids, chunk.num_tokens, chunk.chunk_start - self.held_start)
+        rows = torch.empty(
+            (chunk.num_image_rows, buffers.layout.row_width), dtype=buffers.layout.dtype
+        )
+        if chunk.num_image_rows:
+            row_slot = chunk.first_image_row - self.held_row_start
+            buffers.read_rows(ids, chunk.num_image_rows, rows, row_slot)
+        return ReceivedChunk(chunk.chunk_start, fill, pos, rows, self.aux)
 
     def copy_out(self, buffers: DataBuffers) -> None:
         """Copy what ``allocation`` holds into the assembled request; the caller frees it."""

@@ -104,8 +104,28 @@ class EmbeddingSender(SenderWrites):
         ``image_rows`` in token order; it may be omitted when every token is an image token.
         Data of a room that failed or was cancelled meanwhile is dropped (True).
         """
-        total = aux.total_tokens
+        if tuple(image_rows.shape[:1]) != (aux.num_image_rows,):
+            raise ValueError(f"image_rows has {len(image_rows)} rows, aux {aux.num_image_rows}")
+        return self.begin(room, fill_ids, positions, aux, image_mask, image_rows)
+
+    def begin(
+        self,
+        room: int,
+        fill_ids: np.ndarray,
+        positions: np.ndarray,
+        aux: AuxInfo,
+        image_mask: np.ndarray | None = None,
+        image_rows: torch.Tensor | None = None,
+    ) -> bool:
+        """The room's tokens are known and its first ``image_rows`` (in token order; None:
+        none yet) are ready; ``add_rows`` brings the rest. False (nothing kept) when blocks are
+        short. Chunks go out as the rows come: a receiver that accepts partial chunks gets the
+        tokens whose rows are there (to whole destination blocks) without waiting for the rest.
+        Data of a room that failed or was cancelled meanwhile is dropped (True).
+        """
         fill_ids, positions = np.asarray(fill_ids), np.asarray(positions)  # torch CPU ok too
+        if image_rows is None:
+            image_rows = torch.empty(0, self.layout.row_width)
         mask = self._check_inputs(fill_ids, positions, image_rows, aux, image_mask)
         with self._lock:
             if room in self._finished:
@@ -114,7 +134,7 @@ class EmbeddingSender(SenderWrites):
             existing = self._rooms.get(room)
             if existing is not None and existing.has_data:
                 raise ValueError(f"room {room} was already submitted")
-            allocation = self.allocator.alloc(total)
+            allocation = self.allocator.alloc(aux.total_tokens)
             if allocation is None:
                 return False
         self.buffers.write_tokens(allocation.block_ids, fill_ids, positions, image_rows)
@@ -128,9 +148,42 @@ class EmbeddingSender(SenderWrites):
                 state = self._rooms[room] = SenderRoom(room)
                 self._arm(state, time.monotonic())
             state.allocation, state.aux, state.row_prefix = allocation, aux, image_row_prefix(mask)
+            state.num_rows_ready = len(image_rows)
             self._maybe_write(state)
         self._wake()
         return True
+
+    def add_rows(self, room: int, image_rows: torch.Tensor, aux: AuxInfo | None = None) -> None:
+        """The next ``image_rows`` of a room begun with ``begin`` (in token order); ``aux``, when
+        given, replaces the room's metadata for the chunks still to go (same token and row
+        counts: e.g. the encoder's final timings). Rows of a room that failed are dropped."""
+        with self._lock:
+            if room in self._finished:
+                self.counters["discarded_late_submits"] += 1
+                return
+            state = self._rooms.get(room)
+            if state is None or not state.has_data:
+                raise ValueError(f"room {room} was not begun")
+            num_rows = state.num_rows_ready + len(image_rows)
+            if num_rows > state.aux.num_image_rows or (
+                len(image_rows) and tuple(image_rows.shape[1:]) != (self.layout.row_width,)
+            ):
+                raise ValueError(
+                    f"{tuple(image_rows.shape)} more rows after {state.num_rows_ready} do not "
+                    f"fit {state.aux.num_image_rows} rows of width {self.layout.row_width}"
+                )
+            if aux is not None:
+                if (aux.total_tokens, aux.num_image_rows) != (
+                    state.aux.total_tokens,
+                    state.aux.num_image_rows,
+                ):
+                    raise ValueError("aux changed the room's token or row count")
+                state.aux = aux
+            # under the lock: a failure cannot free the blocks while they are being filled
+            self.buffers.write_rows(state.allocation.block_ids, state.num_rows_ready, image_rows)
+            state.num_rows_ready = num_rows
+            self._maybe_write(state)
+        self._wake()
 
     def fail(self, room: int, reason: str) -> None:
         """Encoding failed or was cancelled: the receiver gets FAILED (``encode_failed``).
@@ -189,13 +242,15 @@ class EmbeddingSender(SenderWrites):
                 f"fill_ids {fill_ids.shape} / positions {positions.shape} do not match "
                 f"total_tokens {total}"
             )
-        expected = (aux.num_image_rows, self.layout.row_width)
         # Rows may come in any float dtype (the encoder's compute dtype): they are cast to the
-        # layout's wire dtype as they are written into the blocks.
-        if tuple(image_rows.shape) != expected or not image_rows.dtype.is_floating_point:
+        # layout's wire dtype as they are written into the blocks. ``begin`` may bring only the
+        # first ones.
+        shape = tuple(image_rows.shape)
+        fits = len(shape) == 2 and shape[0] <= aux.num_image_rows
+        if not fits or shape[1] != self.layout.row_width or not image_rows.dtype.is_floating_point:
             raise ValueError(
-                f"image_rows {tuple(image_rows.shape)} {image_rows.dtype}, expected {expected} "
-                "of a float dtype"
+                f"image_rows {shape} {image_rows.dtype}, expected "
+                f"({aux.num_image_rows}, {self.layout.row_width}) of a float dtype"
             )
         if image_mask is None:
             if aux.num_image_rows != total:
@@ -330,13 +385,22 @@ class EmbeddingSender(SenderWrites):
         elif state.receiver_endpoint and state.receiver_endpoint != peer:
             self.counters["wrong_peer"] += 1
             return
-        if state.init is not None or (state.writing and init.sent_tokens <= state.sent_tokens):
+        current = state.init
+        if current is None and not (state.writing and init.sent_tokens <= state.sent_tokens):
+            slot = "init"
+        elif (
+            current is not None
+            and state.next_init is None
+            and init.sent_tokens == current.sent_tokens + current.num_tokens_allocated
+        ):
+            slot = "next_init"  # a continuation asked for while the current init is served
+        else:
             self.counters["duplicate_init"] += 1
             return
         if not state.receiver_endpoint:
             state.receiver_endpoint, state.receiver_incarnation = peer, env.incarnation
             self.peers.watch(peer, now, env.incarnation)
-        state.init = init
+        setattr(state, slot, init)
         if state.has_data:
             self._maybe_write(state)
             return
@@ -375,6 +439,8 @@ class EmbeddingSender(SenderWrites):
     def _timeout_of(state: SenderRoom) -> tuple[FailureKind, str]:
         if state.writing:
             return FailureKind.TRANSFER_TIMEOUT, "write did not finish"
+        if state.state == RoomState.TRANSFERRING and state.init is not None:
+            return FailureKind.WAITING_TIMEOUT, "the rest of the rows did not come"
         if state.state == RoomState.TRANSFERRING:
             return FailureKind.WAITING_TIMEOUT, "no continuation init"
         if state.has_data:

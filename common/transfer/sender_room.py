@@ -28,7 +28,11 @@ class SenderRoom:
     allocation: Allocation | None = None  # our blocks holding the request (after submit)
     aux: AuxInfo | None = None
     row_prefix: np.ndarray | None = None  # image rows before each token, length total + 1
-    init: transfer_pb2.TransferInit | None = None  # an init not yet served
+    init: transfer_pb2.TransferInit | None = None  # the init being served (None: none held)
+    init_written: int = 0  # tokens of ``init`` written so far (several chunks: minor 4)
+    next_init: transfer_pb2.TransferInit | None = None  # a continuation that came ahead
+    num_rows_ready: int = 0  # image rows in our blocks (the encoder ships image by image)
+    held_at: int = -1  # sent_tokens when we last told the receiver we hold its init
     receiver_endpoint: str = ""
     receiver_incarnation: int = 0  # of the receiver process that sent the first init
     sent_tokens: int = 0
@@ -42,6 +46,13 @@ class SenderRoom:
     @property
     def has_data(self) -> bool:
         return self.allocation is not None
+
+    @property
+    def ready_tokens(self) -> int:
+        """Tokens from the start whose image rows are all in our blocks."""
+        if self.row_prefix is None:
+            return 0
+        return int(np.searchsorted(self.row_prefix, self.num_rows_ready, side="right")) - 1
 
     @property
     def expected(self) -> bool:

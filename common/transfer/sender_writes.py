@@ -21,6 +21,7 @@ from abc import abstractmethod
 from protos.epd.v1 import transfer_pb2
 
 from . import aux_record, chunks
+from .aux_record import ChunkInfo
 from .destinations import check_init
 from .endpoint import TransferEndpoint
 from .sender_room import SenderRoom
@@ -58,19 +59,32 @@ class SenderWrites(TransferEndpoint):
     def _status(self, state: SenderRoom, rstate: RoomState, **fields) -> None:
         """Send the room's receiver a status."""
 
+    @abstractmethod
+    def _ack(self, state: SenderRoom, now: float) -> None:
+        """Tell the receiver its init is held for the data, and for how long."""
+
     def _maybe_write(self, state: SenderRoom) -> None:
-        if state.writing or not state.has_data or state.init is None or state.state.is_final:
+        """Queue the room's next chunk when an init is held and some of its data is ready."""
+        if state.writing or not state.has_data or state.state.is_final:
             return
+        if state.init is None:  # the last init was filled: serve the continuation, if here
+            state.init, state.next_init, state.init_written = state.next_init, None, 0
         init = state.init
-        if init.sent_tokens != state.sent_tokens:
-            detail = f"sent_tokens {init.sent_tokens} != {state.sent_tokens}"
-            self._fail(state, FailureKind.BAD_INIT, detail)
+        if init is None:
             return
-        problem = check_init(init, self.layout)
-        if problem is not None:
-            self._fail(state, *problem)
+        if state.init_written == 0:
+            if init.sent_tokens != state.sent_tokens:
+                detail = f"sent_tokens {init.sent_tokens} != {state.sent_tokens}"
+                self._fail(state, FailureKind.BAD_INIT, detail)
+                return
+            problem = check_init(init, self.layout)
+            if problem is not None:
+                self._fail(state, *problem)
+                return
+        chunk = self._next_chunk(state, init)
+        if chunk is None:
+            self._hold(state, init)
             return
-        state.init = None
         state.writing, state.write_started = True, False
         if state.sent_tokens == 0 and state.aux.total_tokens > init.num_tokens_allocated:
             # a continuation will follow: announce the size so the receiver prepares meanwhile
@@ -83,12 +97,42 @@ class SenderWrites(TransferEndpoint):
             )
         state.move(RoomState.TRANSFERRING)
         state.deadline = time.monotonic() + self.config.transfer_timeout_s
+        job = (state, init, chunk, init.dest_token_offset + state.init_written)
         queue = self._write_queues.get(state.receiver_endpoint)
         if queue is not None:  # a write to this receiver is running: go after it
-            queue.append((state, init))
+            queue.append(job)
             return
-        self._write_queues[state.receiver_endpoint] = collections.deque([(state, init)])
+        self._write_queues[state.receiver_endpoint] = collections.deque([job])
         self._writers.submit(self._drain, state.receiver_endpoint)
+
+    @staticmethod
+    def _next_chunk(state: SenderRoom, init: transfer_pb2.TransferInit) -> ChunkInfo | None:
+        """The tokens the next write carries into ``init``: up to its capacity or the end of
+        the request, or, when the rows stop short of that and the receiver accepts partial
+        chunks, up to the last whole destination block they fill; None when nothing can go."""
+        start = state.sent_tokens
+        end = min(state.aux.total_tokens, start + init.num_tokens_allocated - state.init_written)
+        ready = state.ready_tokens
+        if ready < end:
+            if not init.accepts_partial:
+                return None
+            dest_slot = init.dest_token_offset + state.init_written + (ready - start)
+            end = chunks.partial_end(ready, dest_slot, init.block_size)
+        if end <= start:
+            return None
+        return chunks.plan_chunk(state.row_prefix, start, end - start)
+
+    def _hold(self, state: SenderRoom, init: transfer_pb2.TransferInit) -> None:
+        """An init is held while the rows its next chunk needs are still being encoded: tell
+        the receiver (once per position) how long it is held, so it waits for the data rather
+        than for a write. Mid-room only to a receiver that takes partial chunks."""
+        if state.held_at == state.sent_tokens or (state.sent_tokens and not init.accepts_partial):
+            return
+        state.held_at = state.sent_tokens
+        state.move(RoomState.WAITING_FOR_INPUT)
+        now = time.monotonic()
+        self._arm(state, now)
+        self._ack(state, now)
 
     def _dequeue(self, state: SenderRoom) -> None:
         """Take the room's job out of its queue (it has not started): its blocks are free."""
@@ -107,9 +151,9 @@ class SenderWrites(TransferEndpoint):
                 if not queue:
                     del self._write_queues[endpoint]
                     return
-                state, init = queue.popleft()
+                state, init, chunk, tokens_at = queue.popleft()
                 state.write_started = True
-            self._guarded_write(state, init)
+            self._guarded_write(state, init, chunk, tokens_at)
 
     def _transport_for(self, init: transfer_pb2.TransferInit) -> tuple[BaseTransport | None, str]:
         """shm when the receiver shares our host and offers shm regions, else Mooncake."""
@@ -120,9 +164,11 @@ class SenderWrites(TransferEndpoint):
             return self.mooncake, init.mooncake_session
         return None, ""
 
-    def _guarded_write(self, state: SenderRoom, init: transfer_pb2.TransferInit) -> None:
+    def _guarded_write(
+        self, state: SenderRoom, init: transfer_pb2.TransferInit, chunk: ChunkInfo, tokens_at: int
+    ) -> None:
         try:
-            self._write_chunk(state, init)
+            self._write_chunk(state, init, chunk, tokens_at)
         except Exception as exc:  # a bug must fail the room, not leave it owned forever
             logger.exception("write job for room %d crashed", state.room)
             with self._lock:
@@ -131,15 +177,17 @@ class SenderWrites(TransferEndpoint):
                 if state.state.is_final and state.room in self._rooms:
                     self._finish(state)
 
-    def _write_chunk(self, state: SenderRoom, init: transfer_pb2.TransferInit) -> None:
-        """Writer thread: one chunk = one batched write of every field, then the status."""
+    def _write_chunk(
+        self, state: SenderRoom, init: transfer_pb2.TransferInit, chunk: ChunkInfo, tokens_at: int
+    ) -> None:
+        """Writer thread: one chunk = one batched write of every field, then the status. The
+        chunk's tokens land at token slot ``tokens_at`` of the init's blocks."""
         assert state.allocation is not None and state.aux is not None
         with self._lock:
             if state.state.is_final:  # failed or aborted while queued: nothing was written
                 self._end_write(state)
                 return
-        chunk = chunks.plan_chunk(state.row_prefix, state.sent_tokens, init.num_tokens_allocated)
-        record = aux_record.pack(state.room, state.aux, chunk)
+            record = aux_record.pack(state.room, state.aux, chunk)
         failure: tuple[FailureKind, str] | None = None
         nbytes = 0
         write_s = 0.0
@@ -148,10 +196,17 @@ class SenderWrites(TransferEndpoint):
             transport, session = self._transport_for(init)
             if transport is None:
                 raise LookupError("no transport in common with the receiver")
+            # the aux source slot is ours alone: one write of the room runs at a time
             self.buffers.set_aux(state.allocation.block_ids[0], record)
-            rows_at = chunks.dest_row_offset(state.row_prefix, init)
+            rows_at = chunks.dest_row_offset(state.row_prefix, init, chunk.chunk_start)
             segments = chunks.build_segments(
-                self.buffers, state.allocation.block_ids, init, chunk, rows_at, len(record)
+                self.buffers,
+                state.allocation.block_ids,
+                init,
+                chunk,
+                rows_at,
+                len(record),
+                tokens_at,
             )
             start = time.perf_counter()
             transport.write(session, *segments)
@@ -180,7 +235,9 @@ class SenderWrites(TransferEndpoint):
             self.num_transfers += 1
             state.num_transfers += 1
             state.sent_tokens += chunk.num_tokens
+            state.init_written += chunk.num_tokens
             done = state.sent_tokens == state.aux.total_tokens
+            partial = not done and state.init_written < init.num_tokens_allocated
             rstate = RoomState.SUCCESS if done else RoomState.TRANSFERRING
             self._status(
                 state,
@@ -189,13 +246,16 @@ class SenderWrites(TransferEndpoint):
                 num_tokens=chunk.num_tokens,
                 total_tokens=state.aux.total_tokens,
                 write_s=write_s,
+                partial=partial,
             )
             if done:
                 state.move(RoomState.SUCCESS)
                 self._finish(state)
             else:
-                self._arm(state, time.monotonic())  # now waiting for the continuation init
-                self._maybe_write(state)  # it may already be here
+                if not partial:  # the init is filled: now waiting for the continuation init
+                    state.init, state.init_written = None, 0
+                self._arm(state, time.monotonic())
+                self._maybe_write(state)  # more rows, or the continuation, may already be here
         self._wake()  # a new bound, or a peer left without rooms
 
     def _end_write(self, state: SenderRoom) -> None:

@@ -125,6 +125,19 @@ class ReceivedEmbeddings:
     transfer_s: float = 0.0  # first write announced -> last chunk landed (incl. continuations)
 
 
+@dataclass
+class ReceivedChunk:
+    """Tokens ``[start, start + len(fill_ids))`` of a room still in flight, copied out of the
+    receive blocks as they landed (reported only by a receiver built with ``report_progress``,
+    so a consumer can start on a prompt's prefix); the room's outcome is reported after them."""
+
+    start: int
+    fill_ids: np.ndarray  # int32 [n]
+    positions: np.ndarray  # int32 [3, n]
+    image_rows: torch.Tensor  # the image rows of these tokens, in token order
+    aux: AuxInfo  # the request's totals (and the sender's metadata so far)
+
+
 class TransferError(Exception):
     """A room that ended in FAILED: ``kind`` says why, ``reason`` in words (``kind.label: ...``)."""
 

@@ -76,9 +76,9 @@ def _open_receivers() -> Iterator[list[EmbeddingReceiver]]:
 
 @pytest.fixture
 def make_receiver(_open_receivers) -> Iterator[Callable[..., EmbeddingReceiver]]:
-    def build(hidden: int = HIDDEN, **overrides) -> EmbeddingReceiver:
+    def build(hidden: int = HIDDEN, report_progress: bool = False, **overrides):
         config = make_config(**{"num_blocks": 32, **overrides})
-        receiver = EmbeddingReceiver(config, layout_of(config, hidden))
+        receiver = EmbeddingReceiver(config, layout_of(config, hidden), report_progress)
         _open_receivers.append(receiver)
         return receiver
 
