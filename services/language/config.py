@@ -46,6 +46,11 @@ class LanguageConfig:
         "the model's max_position_embeddings); clamped to the KV pool's capacity",
     )
     chunk_size: int = field(512, help="most prefill tokens per step (chunked prefill)")
+    prefill_while_receiving: bool = field(
+        True,
+        help="prefill a prompt's first tokens as their chunks land, while the rest is still "
+        "encoded or on the wire (off: wait for the whole prompt)",
+    )
     max_running_requests: int = field(64, help="most requests prefilling or decoding at once")
     max_waiting_requests: int = field(256, help="queued requests beyond this are rejected")
     default_max_new_tokens: int = field(

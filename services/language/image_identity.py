@@ -34,6 +34,22 @@ class ImageRef:
         return int.from_bytes(self.digest, "little", signed=True)
 
 
+def images_within(
+    images: tuple[ImageRef, ...] | None, num_image_tokens: int
+) -> tuple[ImageRef, ...] | None:
+    """The images (the last one cut short) whose tokens are the first ``num_image_tokens``
+    image tokens of a prompt: what ``image_keys`` needs for a prefix of it."""
+    if images is None:
+        return None
+    out: list[ImageRef] = []
+    for ref in images:
+        if num_image_tokens <= 0:
+            break
+        out.append(ImageRef(ref.digest, min(ref.num_tokens, num_image_tokens)))
+        num_image_tokens -= ref.num_tokens
+    return tuple(out)
+
+
 def parse_images(extra: bytes) -> tuple[ImageRef, ...] | None:
     """The images described by the encoder's aux ``extra`` JSON; None when absent or malformed."""
     try:

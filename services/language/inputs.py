@@ -43,6 +43,19 @@ class PromptInputs:
     def __len__(self) -> int:
         return int(self.fill_ids.shape[0])
 
+    def extended(self, more: PromptInputs) -> PromptInputs:
+        """This prompt's tokens followed by ``more``'s (the next tokens of a prompt that
+        arrives in chunks); the images and provenance are ``more``'s (the latest known)."""
+        return PromptInputs(
+            fill_ids=torch.cat([self.fill_ids, more.fill_ids]),
+            positions=torch.cat([self.positions, more.positions], dim=1),
+            image_rows=torch.cat([self.image_rows, more.image_rows.to(self.image_rows.dtype)]),
+            mrope_delta=self.mrope_delta,
+            num_deepstack=self.num_deepstack,
+            images=more.images,
+            provenance=more.provenance,
+        )
+
     @classmethod
     def from_text_ids(cls, token_ids: list[int], hidden_size: int) -> PromptInputs:
         """A text-only prompt: positions ``arange`` on all three axes, delta 0."""
@@ -64,6 +77,16 @@ class PromptInputs:
             images=parse_images(getattr(received.aux, "extra", b"")),
             provenance=provenance_of(received),
         )
+
+
+@dataclass
+class PromptChunk:
+    """Tokens ``[start, start + len(inputs))`` of a prompt of ``num_prompt_tokens`` that is
+    still arriving (its room's chunks land one by one): the engine may prefill them already."""
+
+    start: int
+    inputs: PromptInputs
+    num_prompt_tokens: int
 
 
 def provenance_of(received) -> dict[str, float]:

@@ -3,19 +3,26 @@
 The engine sees an ``EmbeddingSource``. Per request: ``add_room`` with the encoder's endpoint
 and the request's deadline; the source calls the listener it was given (``listen``) as soon as a
 room's outcome is ready, and the engine thread, woken by it, collects finished rooms with
-``pop_done`` as ``PromptInputs`` (or an exception); ``release`` ends a delivered room (its image
-rows may be views of transfer blocks until then) and ``abort`` drops one still in flight.
+``pop_done`` as ``PromptInputs`` (or an exception) — and, from a source that reports progress,
+each chunk of a room still in flight as a ``PromptChunk`` before it, so the engine prefills a
+prompt's first tokens while the rest is encoded or on the wire; ``release`` ends a delivered
+room (its image rows may be views of transfer blocks until then) and ``abort`` drops one still
+in flight.
 Nothing polls: between a room's start and its end the engine thread sleeps.
 ``ReceiverSource`` adapts ``common.transfer.receiver.EmbeddingReceiver`` to it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from services.language.inputs import PromptInputs
+from common.transfer.types import ReceivedChunk
+from services.language.inputs import PromptChunk, PromptInputs
 from services.language.model.config import TextModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class EmbeddingSource(Protocol):
@@ -28,8 +35,8 @@ class EmbeddingSource(Protocol):
         """Start receiving ``room``; it fails once ``deadline`` (``time.monotonic``) passes."""
         ...
 
-    def pop_done(self) -> list[tuple[int, PromptInputs | Exception]]:
-        """Rooms that ended since the last call (never blocks)."""
+    def pop_done(self) -> list[tuple[int, PromptInputs | PromptChunk | Exception]]:
+        """Rooms that ended since the last call, and chunks of rooms in flight (never blocks)."""
         ...
 
     def abort(self, room: int) -> None: ...
@@ -56,11 +63,19 @@ class ReceiverSource:
     def add_room(self, room: int, encoder_endpoint: str, deadline: float | None = None) -> None:
         self.receiver.add_room(room, encoder_endpoint, deadline)
 
-    def pop_done(self) -> list[tuple[int, PromptInputs | Exception]]:
-        done: list[tuple[int, PromptInputs | Exception]] = []
+    def pop_done(self) -> list[tuple[int, PromptInputs | PromptChunk | Exception]]:
+        done: list[tuple[int, PromptInputs | PromptChunk | Exception]] = []
         for room, result in self.receiver.pop_done():
             if isinstance(result, Exception):
                 done.append((room, result))
+                continue
+            if isinstance(result, ReceivedChunk):
+                try:
+                    inputs = PromptInputs.from_received(result, self.num_deepstack)
+                except Exception as exc:  # malformed: the room's outcome will tell
+                    logger.warning("room %d: a chunk could not be taken: %s", room, exc)
+                    continue
+                done.append((room, PromptChunk(result.start, inputs, result.aux.total_tokens)))
                 continue
             try:
                 done.append((room, PromptInputs.from_received(result, self.num_deepstack)))
@@ -84,12 +99,16 @@ class ReceiverSource:
         self.receiver.close()
 
 
-def create_receiver_source(model_config: TextModelConfig, transfer_config=None) -> ReceiverSource:
-    """A receiver for the model's rows in the wire dtype (cast to the model dtype on use)."""
+def create_receiver_source(
+    model_config: TextModelConfig, transfer_config=None, prefill_while_receiving: bool = True
+) -> ReceiverSource:
+    """A receiver for the model's rows in the wire dtype (cast to the model dtype on use);
+    with ``prefill_while_receiving`` it reports each chunk of a room as it lands."""
     from common.transfer.config import TransferConfig
     from common.transfer.layout import layout_for
     from common.transfer.receiver import EmbeddingReceiver
 
     config = transfer_config or TransferConfig()
     layout = layout_for(config, model_config.hidden_size, model_config.num_deepstack)
-    return ReceiverSource(EmbeddingReceiver(config, layout), model_config.num_deepstack)
+    receiver = EmbeddingReceiver(config, layout, report_progress=prefill_while_receiving)
+    return ReceiverSource(receiver, model_config.num_deepstack)

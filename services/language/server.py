@@ -118,7 +118,8 @@ def serve_with_receiver(config: LanguageConfig) -> LanguageServer:
         transfer = dataclasses.replace(
             transfer, max_room_tokens=min(transfer.max_room_tokens, longest)
         )
-    return serve(config, create_receiver_source(model_config, transfer))
+    source = create_receiver_source(model_config, transfer, config.prefill_while_receiving)
+    return serve(config, source)
 
 
 def start_runtime(config: LanguageConfig, handle: LanguageServer) -> WorkerRuntime:

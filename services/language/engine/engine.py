@@ -31,8 +31,8 @@ from services.language.engine.request import (
 )
 from services.language.engine.sampling import SamplingParams, sample, token_logprob
 from services.language.engine.scheduler import Scheduler
-from services.language.image_identity import image_keys
-from services.language.inputs import PromptInputs
+from services.language.image_identity import image_keys, images_within
+from services.language.inputs import PromptChunk, PromptInputs
 from services.language.kvcache.pool import KVPool, SlotAllocator, slot_bytes
 from services.language.kvcache.radix_cache import RadixCache
 from services.language.kvcache.sizing import plan_kv_pool, resolve_max_seq_len
@@ -129,25 +129,69 @@ class LanguageEngine:
             self.scheduler.add(req)
         self.requests[request_id] = req
 
-    def _set_inputs(self, req: Request, inputs: PromptInputs) -> None:
-        max_new_tokens = check_inputs(inputs, req.params, self.limits)
-        keys, problem = image_keys(inputs.fill_ids.numpy(), self.limits.vocab_size, inputs.images)
+    def _set_inputs(
+        self, req: Request, inputs: PromptInputs, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Check and attach a prompt, or the first tokens of one of ``num_prompt_tokens``."""
+        max_new_tokens = check_inputs(inputs, req.params, self.limits, num_prompt_tokens)
+        req.set_inputs(
+            inputs,
+            self.limits.vocab_size,
+            self._image_keys(req, inputs),
+            max_new_tokens,
+            num_prompt_tokens,
+        )
+
+    def _image_keys(self, req: Request, inputs: PromptInputs):
+        """Each token's image key for the radix cache (0 for text); a prefix of a prompt
+        still arriving gets its images' keys as far as their tokens arrived."""
+        vocab = self.limits.vocab_size
+        images = images_within(inputs.images, len(inputs.image_rows))
+        keys, problem = image_keys(inputs.fill_ids.numpy(), vocab, images)
         if problem:
             logger.warning(
                 "request %s: its image tokens get a random radix key and will not be shared (%s)",
                 req.request_id,
                 problem,
             )
-        req.set_inputs(inputs, self.limits.vocab_size, keys, max_new_tokens)
+        return keys
 
     def collect_embeddings(self) -> list[RequestOutput]:
-        """Move on the requests whose rooms ended (the embedding source said some did)."""
+        """Move on the requests whose rooms ended or grew (the embedding source said so)."""
         if self.embedding_source is None:
             return []
         outputs: list[RequestOutput] = []
         for room, result in self.embedding_source.pop_done():
-            outputs += self.deliver_inputs(room, result)
+            if isinstance(result, PromptChunk):
+                outputs += self.deliver_chunk(room, result)
+            else:
+                outputs += self.deliver_inputs(room, result)
         return outputs
+
+    def deliver_chunk(self, room: int, chunk: PromptChunk) -> list[RequestOutput]:
+        """The next tokens of ``room``'s prompt landed while the rest is in flight: its request
+        is queued with what arrived and prefills it (see ``scheduler.py``)."""
+        req = self.receiving.get(room)
+        if req is None:  # aborted meanwhile
+            return []
+        try:
+            if req.inputs is None:
+                if chunk.start != 0:
+                    raise ValueError(f"the prompt's first chunk starts at token {chunk.start}")
+                self._set_inputs(req, chunk.inputs, chunk.num_prompt_tokens)
+                self.scheduler.add(req)
+                return []
+            if chunk.start != req.num_ready_tokens:
+                raise ValueError(f"chunk at token {chunk.start}, {req.num_ready_tokens} arrived")
+            inputs = req.inputs.extended(chunk.inputs)
+            check_inputs(inputs, req.params, self.limits, req.num_prompt_tokens)
+            req.update_inputs(inputs, self.limits.vocab_size, self._image_keys(req, inputs))
+        except RequestError as exc:
+            return [self._fail(req, exc.kind, str(exc))]
+        except Exception as exc:  # inputs the checks did not foresee: this request only
+            logger.exception("request %s: a chunk of its prompt could not be taken", req.request_id)
+            return [self._fail(req, ErrorKind.FAILED, f"its prompt could not be taken: {exc}")]
+        return []
 
     def deliver_inputs(self, room: int, inputs: PromptInputs | Exception) -> list[RequestOutput]:
         """Embeddings of ``room`` arrived (or failed): move its request on."""
@@ -160,13 +204,24 @@ class LanguageEngine:
             kind = ErrorKind.DEADLINE_EXCEEDED if past_deadline else ErrorKind.FAILED
             return [self._fail(req, kind, f"receiving the prompt failed: {inputs}")]
         try:
-            self._set_inputs(req, inputs)
+            if req.inputs is None:
+                self._set_inputs(req, inputs)
+                self.scheduler.add(req)
+                return []
+            # its first tokens came earlier (and may be computed): the whole prompt replaces
+            # them, after checking that it starts with them
+            arrived = req.num_ready_tokens
+            if len(inputs) != req.num_prompt_tokens or not torch.equal(
+                inputs.fill_ids[:arrived], req.inputs.fill_ids
+            ):
+                raise ValueError("the prompt differs from the chunks that arrived before it")
+            check_inputs(inputs, req.params, self.limits)
+            req.update_inputs(inputs, self.limits.vocab_size, self._image_keys(req, inputs))
         except RequestError as exc:
             return [self._fail(req, exc.kind, str(exc))]
         except Exception as exc:  # inputs the checks did not foresee: this request only
             logger.exception("request %s: its prompt could not be taken", req.request_id)
             return [self._fail(req, ErrorKind.FAILED, f"its prompt could not be taken: {exc}")]
-        self.scheduler.add(req)
         return []
 
     def abort(self, request_id: str, error: str = "") -> RequestOutput | None:
@@ -175,11 +230,6 @@ class LanguageEngine:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        if req.status == RequestStatus.WAITING_FOR_EMBEDDINGS:
-            self.receiving.pop(req.room, None)
-            if self.embedding_source is not None:
-                self.embedding_source.abort(req.room)
-            req.room = 0  # nothing was delivered: nothing to release
         if error:
             return self._fail(req, ErrorKind.FAILED, error)
         return self._finish(req, FinishReason.ABORT)
@@ -277,6 +327,11 @@ class LanguageEngine:
             self.cache_manager.cache_prefix(req)
         if req.status != RequestStatus.WAITING_FOR_EMBEDDINGS:
             self.scheduler.remove(req)
+        if self.receiving.get(req.room) is req:  # its room is still in flight: drop it
+            del self.receiving[req.room]
+            if self.embedding_source is not None:
+                self.embedding_source.abort(req.room)
+            req.room = 0  # nothing was delivered: nothing to release
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self.requests.pop(req.request_id, None)
         self._release_room(req.room)

@@ -30,9 +30,12 @@ def invalid(message: str) -> RequestError:
     return RequestError(ErrorKind.INVALID_ARGUMENT, message)
 
 
-def check_inputs(inputs: PromptInputs, params: SamplingParams, limits: Limits) -> int:
-    """The request's max_new_tokens once ``inputs`` are known to fit; RequestError if not."""
-    num_tokens = len(inputs)
+def check_inputs(
+    inputs: PromptInputs, params: SamplingParams, limits: Limits, num_tokens: int | None = None
+) -> int:
+    """The request's max_new_tokens once ``inputs`` are known to fit; RequestError if not.
+    ``inputs`` may be the first tokens of a prompt of ``num_tokens`` still arriving."""
+    num_tokens = len(inputs) if num_tokens is None else num_tokens
     max_new = params.max_new_tokens
     if max_new is None:
         max_new = min(limits.default_max_new_tokens, limits.max_seq_len - num_tokens)

@@ -24,8 +24,9 @@ class EngineLoad:
 
 
 def _span(start: float, end: float) -> float:
-    """Seconds from ``start`` to ``end``; 0 while either has not happened."""
-    return end - start if start and end else 0.0
+    """Seconds from ``start`` to ``end``; 0 while either has not happened (or, for a prompt
+    prefilled while it still arrived, when ``end`` came first)."""
+    return max(0.0, end - start) if start and end else 0.0
 
 
 def request_output(

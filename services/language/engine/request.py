@@ -93,7 +93,8 @@ class Request:
     request_id: str
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    inputs: PromptInputs | None = None  # None while WAITING_FOR_EMBEDDINGS
+    inputs: PromptInputs | None = None  # None until its prompt's first tokens arrived
+    num_prompt_tokens: int = 0  # the whole prompt's length (inputs may hold only a prefix)
     room: int = 0  # transfer room (0 = text-only / local inputs)
     deadline: float | None = None  # the caller's deadline (time.monotonic clock)
     max_new_tokens: int = 0  # params.max_new_tokens, or the default that fits max_seq_len
@@ -114,21 +115,48 @@ class Request:
     first_token_time: float = 0.0
 
     def set_inputs(
-        self, inputs: PromptInputs, vocab_size: int, image_keys: np.ndarray, max_new_tokens: int
+        self,
+        inputs: PromptInputs,
+        vocab_size: int,
+        image_keys: np.ndarray,
+        max_new_tokens: int,
+        num_prompt_tokens: int | None = None,
     ) -> None:
-        """Attach a checked prompt (``engine/intake.py``); ``image_keys`` [L] is each token's
-        image key (0 for text)."""
-        self.inputs = inputs
+        """Attach a checked prompt (``engine/intake.py``), or the first tokens of a prompt of
+        ``num_prompt_tokens`` still arriving; ``image_keys`` [L] is each token's image key (0
+        for text)."""
+        self.num_prompt_tokens = len(inputs) if num_prompt_tokens is None else num_prompt_tokens
         self.max_new_tokens = max_new_tokens
+        self.sampler = SamplerState.create(self.params)
+        self.update_inputs(inputs, vocab_size, image_keys)
+
+    def update_inputs(self, inputs: PromptInputs, vocab_size: int, image_keys: np.ndarray) -> None:
+        """More of the prompt arrived: ``inputs`` holds it from its first token."""
+        self.inputs = inputs
         is_image = (inputs.fill_ids >= vocab_size).long()
         self.image_row_offsets = torch.cat([torch.zeros(1, dtype=torch.long), is_image.cumsum(0)])
         self.prompt_key = make_key(inputs.fill_ids.numpy(), image_keys)
-        self.sampler = SamplerState.create(self.params)
-        self.inputs_time = time.monotonic()
+        if self.prompt_complete:
+            self.inputs_time = time.monotonic()
 
     @property
     def prompt_len(self) -> int:
-        return len(self.inputs)
+        return self.num_prompt_tokens
+
+    @property
+    def num_ready_tokens(self) -> int:
+        """Prompt tokens that arrived (all of them once the prompt is complete)."""
+        return len(self.inputs) if self.inputs is not None else 0
+
+    @property
+    def prompt_complete(self) -> bool:
+        return self.num_ready_tokens == self.num_prompt_tokens
+
+    @property
+    def num_computable(self) -> int:
+        """Tokens of the sequence that can be computed now: all of it once the prompt is
+        complete, else the prompt tokens that arrived."""
+        return self.seq_len if self.prompt_complete else self.num_ready_tokens
 
     @property
     def seq_len(self) -> int:

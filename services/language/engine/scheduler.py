@@ -9,6 +9,10 @@ Policy, in order:
    the slots allow: a request is admitted only if all of its remaining prompt plus the
    remaining prompts of running prefills fit in free + evictable slots, so prefills never
    deadlock each other. Otherwise it stays queued.
+
+A prompt still arriving (its room's chunks land one by one) is prefilled as far as it arrived:
+it is admitted once it has a token the radix cache does not cover, and a PREFILL request that
+computed everything that arrived waits (scheduling nothing) for its next chunk.
 """
 
 from __future__ import annotations
@@ -73,10 +77,15 @@ class Scheduler:
         for req in list(self.running):
             if req.status == RequestStatus.PREFILL and budget > 0 and req in self.running:
                 budget -= self._schedule_tokens(req, budget, out, scheduled)
-        while budget > 0 and self.waiting and len(self.running) < self.max_running:
-            if not self._admit(self.waiting[0]):
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_running:
                 break
-            req = self.waiting.popleft()
+            admitted = self._admit(req)
+            if admitted is None:
+                continue  # its prompt is still arriving and nothing of it is to compute yet
+            if not admitted:
+                break
+            self.waiting.remove(req)
             self.running.append(req)
             budget -= self._schedule_tokens(req, budget, out, scheduled)
         return out
@@ -84,7 +93,9 @@ class Scheduler:
     def _schedule_tokens(
         self, req: Request, max_tokens: int, out: SchedulerOutput, scheduled: set[int]
     ) -> int:
-        num = min(max_tokens, req.seq_len - req.num_computed)
+        num = min(max_tokens, req.num_computable - req.num_computed)
+        if num <= 0:
+            return 0  # waiting for the next chunk of its prompt
         slots = self.cm.allocate(num)
         while slots is None:
             victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
@@ -99,11 +110,16 @@ class Scheduler:
         scheduled.add(id(req))
         return num
 
-    def _admit(self, req: Request) -> bool:
+    def _admit(self, req: Request) -> bool | None:
+        """Match, lock and reserve; False when the slots do not allow it, None when its prompt
+        is still arriving and the cache covers all of it that arrived."""
         reserved = sum(
             r.prompt_len - r.num_computed for r in self.running if r.status == RequestStatus.PREFILL
         )
         self.cm.admit(req)
+        if req.num_computed >= req.num_computable:
+            self.cm.release(req)
+            return None
         if self.cm.num_available < req.seq_len - req.num_computed + reserved:
             self.cm.release(req)
             return False
