@@ -48,6 +48,9 @@ class EncodeTask:
     queued_at: float = field(default_factory=time.monotonic)
     encode_s: float = 0.0  # ViT seconds spent on this task's batches
     cancelled: bool = False
+    # Called on the loop thread after a forward that gave the task rows but not all of them
+    # (the encoder ships a request image by image); must not block.
+    on_rows: Callable[[EncodeTask], None] | None = None
 
     def __post_init__(self) -> None:
         self.rows = [image.rows for image in self.images]
@@ -56,6 +59,15 @@ class EncodeTask:
     @property
     def is_ready(self) -> bool:
         return all(r is not None for r in self.rows)
+
+    def leading_rows(self) -> list[torch.Tensor]:
+        """The rows of the images encoded so far from the first one on, in order."""
+        out = []
+        for rows in self.rows:
+            if rows is None:
+                break
+            out.append(rows)
+        return out
 
     def image_rows(self, row_width: int, dtype: torch.dtype) -> torch.Tensor:
         """All rows in token order."""
@@ -182,6 +194,11 @@ class VisionBatcher:
                 self._end(task, error)
             elif task.is_ready:
                 self._end(task, None)
+            elif task.on_rows is not None and task.rows and task.rows[0] is not None:
+                try:
+                    task.on_rows(task)
+                except Exception:
+                    logger.exception("on_rows callback failed")
 
     def _encode(self, batch: list[PreparedImage], waiters) -> BaseException | None:
         start = time.perf_counter()

@@ -72,6 +72,11 @@ class EncoderConfig:
         "request that would exceed it is refused with RESOURCE_EXHAUSTED unless none are held",
     )
     cache_mb: int = field(512, help="embedding cache size in MiB; 0 disables it")
+    ship_per_image: bool = field(
+        True,
+        help="ship a request's rows image by image as the ViT finishes each (the language "
+        "worker prefills the first images meanwhile); off: once all are encoded",
+    )
     # shipping
     sender: str = field("transfer", help="transfer (ship to the language side) | none")
     submit_retry_s: float = field(0.005, help="retry interval when the sender is short of blocks")

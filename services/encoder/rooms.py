@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from .batcher import EncodeTask
 from .errors import UnknownRoom
-from .types import EncodedPrompt, RoomStatus
+from .types import EncodedPrompt, Prompt, RoomStatus
 
 FINAL = (RoomStatus.SHIPPED, RoomStatus.FAILED)
 ACTIVE = (RoomStatus.QUEUED, RoomStatus.ENCODED)  # count against the encoder's queue
@@ -42,7 +42,9 @@ class RoomRecord:
     accepted_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     task: EncodeTask | None = None  # QUEUED: its images on the ViT loop
+    prompt: Prompt | None = None  # QUEUED: its tokens (shipped image by image)
     encoded: EncodedPrompt | None = None  # ENCODED: rows waiting for transfer blocks
+    num_rows_shipped: int = -1  # rows handed to the sender before the last image (-1: none)
 
 
 class Cancelled(NamedTuple):
@@ -149,11 +151,36 @@ class RoomTable:
                     return record
                 self._cond.wait(left)
 
-    def encoded(self) -> list[tuple[int, EncodedPrompt, float]]:
-        """(room, rows, deadline) of the rooms waiting for transfer blocks, oldest first."""
+    def encoded(self) -> list[tuple[int, EncodedPrompt, float, int]]:
+        """(room, rows, deadline, rows already shipped or -1) of the rooms waiting for transfer
+        blocks (or for their last rows to be handed over), oldest first."""
         with self._cond:
             live = self._live[RoomStatus.ENCODED].values()
-            return [(r.room, r.encoded, r.deadline) for r in live if r.encoded is not None]
+            return [
+                (r.room, r.encoded, r.deadline, r.num_rows_shipped)
+                for r in live
+                if r.encoded is not None
+            ]
+
+    def partially_encoded(self) -> list[RoomRecord]:
+        """QUEUED rooms shipped image by image whose first images are encoded."""
+        with self._cond:
+            live = self._live[RoomStatus.QUEUED].values()
+            return [
+                r
+                for r in live
+                if r.prompt is not None
+                and r.task is not None
+                and r.task.rows
+                and r.task.rows[0] is not None
+            ]
+
+    def shipped_rows(self, room: int, num_rows: int) -> None:
+        """Record that the first ``num_rows`` rows of a live room went to the sender."""
+        with self._cond:
+            record = self._records.get(room)
+            if record is not None and record.status not in FINAL:
+                record.num_rows_shipped = num_rows
 
     def submitted(self) -> list[tuple[int, float]]:
         """(room, deadline) of the rooms the sender holds."""
@@ -184,7 +211,7 @@ class RoomTable:
         if status in self._live:
             self._live[status][record.room] = record
         if status != RoomStatus.QUEUED:
-            record.task = None
+            record.task = record.prompt = None
         if status != RoomStatus.ENCODED:
             record.encoded = None
         if status in FINAL:

@@ -109,6 +109,9 @@ class EncoderService:
         record = RoomRecord(
             room, request.request_id, prompt.num_tokens, len(prompt.images), deadline, task=task
         )
+        if self.config.ship_per_image and len(prompt.images) > 1:
+            record.prompt = prompt
+            task.on_rows = self._on_rows
         try:
             added = self.rooms.add(record, self.config.max_queued_requests)
         except ValueError as exc:
@@ -195,6 +198,10 @@ class EncoderService:
                 self.shipper.wake()
 
         return on_done
+
+    def _on_rows(self, task) -> None:
+        """The ViT loop encoded some of a task's images (its thread: must not block)."""
+        self.shipper.wake()
 
     def _announce(self, room: int, deadline: float) -> None:
         """Tell the sender the room's data comes (or the room fails) before ``deadline``, so a

@@ -5,6 +5,12 @@ The ViT loop only marks a room ENCODED and wakes the shipper. The shipper thread
 ``retry_s`` until the request's deadline, then failed. Submitted rooms are polled until the
 sender reports SUCCESS or FAILED (the sender owns the receiver-side timeouts). Nothing here waits
 on a receiver.
+
+Image by image (``ship_per_image``): the ViT loop also wakes the shipper when a forward gave a
+room some of its images; the shipper then begins the room at the sender with its tokens and the
+rows of its first encoded images (``sender.begin``) and hands over each next image's rows as
+they come (``sender.add_rows``), the last ones with the final metadata. The sender writes
+what is ready, so the language worker prefills the first image while the ViT runs the next.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import threading
 import time
 from typing import Protocol
 
+import torch
+
 from common.transfer.types import AuxInfo, RoomState
 
 from .aux_extra import encode_extra
 from .rooms import RoomTable
-from .types import EncodedPrompt, RoomStatus
+from .types import EncodedPrompt, Prompt, RoomStatus
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +43,8 @@ class Sender(Protocol):
     endpoint: str
 
     def submit(self, room, fill_ids, positions, image_rows, aux, image_mask=None) -> bool: ...
+    def begin(self, room, fill_ids, positions, aux, image_mask=None, image_rows=None) -> bool: ...
+    def add_rows(self, room: int, image_rows, aux=None) -> None: ...
     def fail(self, room: int, reason: str) -> None: ...
     def poll(self, room: int) -> RoomState: ...
     def stats(self) -> dict: ...
@@ -48,6 +58,12 @@ class DiscardingSender:
 
     def submit(self, room, fill_ids, positions, image_rows, aux, image_mask=None) -> bool:
         return True
+
+    def begin(self, room, fill_ids, positions, aux, image_mask=None, image_rows=None) -> bool:
+        return True
+
+    def add_rows(self, room: int, image_rows, aux=None) -> None:
+        pass
 
     def expect(self, room: int, deadline: float) -> None:
         pass
@@ -63,6 +79,22 @@ class DiscardingSender:
 
     def close(self) -> None:
         pass
+
+
+def early_aux_info(prompt: Prompt, num_cache_hits: int) -> AuxInfo:
+    """The metadata of a room begun before its last image is encoded (no timings yet)."""
+    return AuxInfo(
+        total_tokens=prompt.num_tokens,
+        num_image_rows=int(prompt.image_mask.sum()),
+        mrope_delta=prompt.mrope_delta,
+        num_items=len(prompt.images),
+        extra=encode_extra(
+            [im.key.hex() for im in prompt.images],
+            [im.num_tokens for im in prompt.images],
+            hits=num_cache_hits,
+            encode_s=0.0,
+        ),
+    )
 
 
 def aux_info(encoded: EncodedPrompt) -> AuxInfo:
@@ -126,26 +158,62 @@ class Shipper:
             self._wake.clear()
             self.num_passes += 1
             now = time.monotonic()
-            blocked = self._submit(now)
+            blocked = self._ship_early(now)
+            blocked = self._submit(now) or blocked
             holding = self._poll(now)
             timeout = self._retry_s if blocked else self._poll_s if holding else None
+
+    def _ship_early(self, now: float) -> bool:
+        """Hand the sender the rows of rooms whose first images are encoded (begin a room the
+        first time); True when some wait for blocks."""
+        blocked = False
+        for record in self._rooms.partially_encoded():
+            task, prompt, room = record.task, record.prompt, record.room
+            if task is None or prompt is None or now > record.deadline:
+                continue  # the ViT loop or the deadline ends it
+            ready = task.leading_rows()
+            num_rows = sum(len(rows) for rows in ready)
+            if num_rows <= record.num_rows_shipped:
+                continue
+            try:
+                if record.num_rows_shipped < 0:
+                    rows = torch.cat(ready) if ready else None
+                    aux = early_aux_info(prompt, task.num_cache_hits)
+                    args = (prompt.fill_ids, prompt.positions, aux, prompt.image_mask)
+                    if not self.sender.begin(room, *args, image_rows=rows):
+                        blocked = True
+                        self.num_submit_retries += 1
+                        continue
+                else:
+                    self.sender.add_rows(room, _rows_from(ready, record.num_rows_shipped))
+            except Exception as exc:  # a bad room must not stop the others
+                logger.exception("early shipping of room %d failed", room)
+                self._fail(room, f"submit failed: {exc}")
+                continue
+            self._rooms.shipped_rows(room, num_rows)
+        return blocked
 
     def _submit(self, now: float) -> bool:
         """Hand ENCODED rooms to the sender; True when some still wait for blocks."""
         blocked = False
-        for room, encoded, deadline in self._rooms.encoded():
+        for room, encoded, deadline, num_rows_shipped in self._rooms.encoded():
             if now > deadline:
                 self._fail(room, "deadline: no transfer blocks were free before it passed")
                 continue
             try:
-                ok = self.sender.submit(
-                    room,
-                    encoded.fill_ids,
-                    encoded.positions,
-                    encoded.image_rows,
-                    aux_info(encoded),
-                    image_mask=encoded.image_mask,
-                )
+                if num_rows_shipped >= 0:  # begun image by image: the last rows, final metadata
+                    rest = encoded.image_rows[num_rows_shipped:]
+                    self.sender.add_rows(room, rest, aux_info(encoded))
+                    ok = True
+                else:
+                    ok = self.sender.submit(
+                        room,
+                        encoded.fill_ids,
+                        encoded.positions,
+                        encoded.image_rows,
+                        aux_info(encoded),
+                        image_mask=encoded.image_mask,
+                    )
             except Exception as exc:  # a bad room must not stop the others
                 logger.exception("submit of room %d failed", room)
                 self._fail(room, f"submit failed: {exc}")
@@ -180,3 +248,13 @@ class Shipper:
     def _fail(self, room: int, reason: str) -> None:
         if self._rooms.fail(room, reason):
             self.sender.fail(room, reason)
+
+
+def _rows_from(ready: list[torch.Tensor], start: int) -> torch.Tensor:
+    """Rows ``start``.. of the images' rows ``ready`` (in order), without copying the rest."""
+    out, at = [], 0
+    for rows in ready:
+        if at + len(rows) > start:
+            out.append(rows[max(0, start - at) :])
+        at += len(rows)
+    return torch.cat(out)
