@@ -129,7 +129,7 @@ def test_receiver_waits_while_the_rows_are_encoded(sender, make_receiver) -> Non
     _events(receiver, s.seed, until_final=False)
     # longer than transfer_timeout_s + heartbeat_timeout_s (3 s in these tests): without the
     # sender's word that it holds the init the room would time out waiting for the write
-    assert receiver.stats()["messages"].get("acknowledged_inits", 0) >= 1
+    assert wait_for(lambda: receiver.stats()["messages"].get("acknowledged_inits", 0) >= 1)
     assert not wait_for(lambda: receiver.stats()["rooms_finished"].get("FAILED", 0) > 0, 4.0)
     sender.ask("add_rows", s, 300, 600)
     events = _events(receiver, s.seed)
