@@ -14,9 +14,9 @@ exist. The ids the gateway uses with workers are its own (``orchestrator.new_cal
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,7 +85,7 @@ class Admission:
         self._in_flight: dict[str, Admitted] = {}
 
     def admit(self, request_id: str = "", owner: str = "") -> Admitted:
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or secrets.token_hex(16)
         with self._lock:
             if request_id in self._in_flight:
                 raise DuplicateRequest(f"request id {request_id!r} is already in flight")

@@ -7,6 +7,8 @@ images) are hashed cumulatively so that a shared leading part gives a shared pre
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import xxhash
 
 from protos.epd.v1 import common_pb2
@@ -22,7 +24,8 @@ def image_source_hash(image: common_pb2.ImageSource) -> bytes:
     return xxhash.xxh3_128_digest(raw, seed=len(which))
 
 
-def routing_key(messages: list[common_pb2.ChatMessage]) -> RoutingKey:
+def routing_key(messages: Iterable[common_pb2.ChatMessage]) -> RoutingKey:
+    """The request's image hashes (one per image, in order) and its cumulative prefix hashes."""
     images: list[bytes] = []
     prefix: list[int] = []
     state = xxhash.xxh3_64()
@@ -40,7 +43,3 @@ def routing_key(messages: list[common_pb2.ChatMessage]) -> RoutingKey:
                 continue
             prefix.append(state.intdigest())
     return RoutingKey(image_hashes=tuple(images), prefix_hashes=tuple(prefix))
-
-
-def num_images(messages: list[common_pb2.ChatMessage]) -> int:
-    return sum(p.WhichOneof("part") == "image" for m in messages for p in m.content)

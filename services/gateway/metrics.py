@@ -103,8 +103,22 @@ class GatewayMetrics:
         self.queue = histogram(r, "gateway_queue_time_seconds", "admission to dispatch")
         self.recent = RecentRequests()
         r.register(_WorkerCollector(workers))
+        # NOTE: the labelled children, looked up once per label pair (``labels`` takes a lock and
+        # builds the key on every call, a few microseconds per request on a small machine)
+        self._requests: dict[tuple[str, str], Counter] = {}
+        self._routed: dict[tuple[str, str], Counter] = {}
 
     def finished(self, outcome: str, api: str, ttft_s: float | None = None) -> None:
         """Count one finished request (every outcome, refusals included)."""
-        self.requests.labels(outcome, api).inc()
+        child = self._requests.get((outcome, api))
+        if child is None:
+            child = self._requests.setdefault((outcome, api), self.requests.labels(outcome, api))
+        child.inc()
         self.recent.add(api, outcome, ttft_s)
+
+    def routed(self, role: str, reason: str) -> None:
+        """Count one routing decision of ``role``'s pool (``epd_gateway_routing_decisions``)."""
+        child = self._routed.get((role, reason))
+        if child is None:
+            child = self._routed.setdefault((role, reason), self.routing.labels(role, reason))
+        child.inc()

@@ -19,7 +19,7 @@ off from 20 ms to 1 s, woken at once by a cancel — and tries again, for up to
 ``--encoder-busy-wait-s`` within its deadline: a burst above the encoders' capacity queues at
 the gateway (bounded by ``--max-queued``) instead of failing.
 
-Ids: every call to a worker carries an id the gateway draws itself (a uuid per call). The
+Ids: every call to a worker carries an id the gateway draws itself (128 random bits per call). The
 client's ``request_id`` only keys the admission table and is echoed in the answer, so no client
 id can reach, replace or abort another request on a worker.
 
@@ -44,7 +44,6 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -56,7 +55,7 @@ from services.gateway import workers as calls
 from services.gateway.admission import Admitted
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import REQUEST_ABORTED, GatewayError
-from services.gateway.keys import num_images, routing_key
+from services.gateway.keys import routing_key
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.registry import Role, Worker, WorkerRegistry
 from services.gateway.routing import BasePolicy, RoutingKey, no_pair_message, pair
@@ -83,8 +82,8 @@ UNDELIVERED = (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT)
 
 
 def new_call_id() -> str:
-    """The id of one call the gateway makes to a worker."""
-    return uuid.uuid4().hex
+    """The id of one call the gateway makes to a worker: 128 random bits, 32 hex digits."""
+    return secrets.token_hex(16)
 
 
 class EncoderRoom:
@@ -184,7 +183,7 @@ class Orchestrator:
         sampling.CopyFrom(request.sampling)
         if not sampling.max_new_tokens:
             sampling.max_new_tokens = self.config.default_max_new_tokens
-        key = routing_key(list(request.messages))
+        key = routing_key(request.messages)
         ordered, reason = self._order(Role.LANGUAGE, self.registry.healthy(Role.LANGUAGE), key)
         languages = self._fitting(ordered, sampling.max_new_tokens, request.sampling)
         job = Job(request, sampling, key, admitted, deadline)
@@ -195,7 +194,7 @@ class Orchestrator:
                 reason = "retry"
             elif language is not ordered[0]:  # the policy's choice cannot take it
                 reason = "layout" if language is not languages[0] else "max_seq_len"
-            self.metrics.routing.labels("language", reason).inc()
+            self.metrics.routed("language", reason)
             self.language_policy.on_routed(language, key)
             try:
                 yield from self._stream(dispatch, admitted)
@@ -211,9 +210,9 @@ class Orchestrator:
     def _dispatch(self, job: Job, languages: list[Worker]) -> Dispatch:
         """Start the request on the first of ``languages`` (with an encoder of its layout when
         it has images)."""
-        if num_images(list(job.request.messages)) == 0:
+        if not job.key.image_hashes:  # one per image: text only
             language = languages[0]
-            self.metrics.routing.labels("encoder", "text_only").inc()
+            self.metrics.routed("encoder", "text_only")
             call = self._start_language(
                 language, job.sampling, self._remaining(job.deadline), messages=job.request.messages
             )
@@ -260,7 +259,7 @@ class Orchestrator:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, no_pair_message(languages, encoders))
         language, fits = paired
         ordered, reason = self._order(Role.ENCODER, fits, key)
-        self.metrics.routing.labels("encoder", reason).inc()
+        self.metrics.routed("encoder", reason)
         return language, ordered
 
     def _remaining(self, deadline: float) -> float:
@@ -296,7 +295,7 @@ class Orchestrator:
             wait_s = min(backoff, give_up_at - time.monotonic())
             if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or wait_s <= 0:
                 raise error
-            self.metrics.routing.labels("encoder", "busy_wait").inc()
+            self.metrics.routed("encoder", "busy_wait")
             if job.admitted.wait_cancelled(wait_s):
                 raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED)
             backoff = min(2 * backoff, BUSY_BACKOFF_S[1])
@@ -313,7 +312,7 @@ class Orchestrator:
         busy: GatewayError | None = None
         for attempt, encoder in enumerate(encoders[: 1 + self.config.encoder_retries]):
             if attempt:
-                self.metrics.routing.labels("encoder", "retry").inc()
+                self.metrics.routed("encoder", "retry")
             endpoint = self._transfer_endpoint(encoder)
             if not endpoint:
                 last_error = GatewayError(

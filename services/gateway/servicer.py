@@ -73,17 +73,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             context.abort(exc.code, exc.message)
 
     def GenerateUnary(self, request, context):  # noqa: N802
-        reply = gateway_pb2.GenerateResponse()
+        texts: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list = []
+        final = None
         for chunk in self.Generate(request, context):
-            reply.request_id = chunk.request_id
-            reply.text += chunk.text
-            reply.token_ids.extend(chunk.token_ids)
-            reply.logprobs.extend(chunk.logprobs)
+            texts.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
             if chunk.finish_reason:
-                for name in ("finish_reason", "encoder", "language"):
-                    setattr(reply, name, getattr(chunk, name))
-                reply.usage.CopyFrom(chunk.usage)
-                reply.timing.CopyFrom(chunk.timing)
+                final = chunk
+        reply = gateway_pb2.GenerateResponse(text="".join(texts), token_ids=token_ids)
+        reply.logprobs.extend(logprobs)
+        if final is not None:  # always, once Generate ended without an error
+            reply.request_id = final.request_id
+            reply.finish_reason = final.finish_reason
+            reply.encoder = final.encoder
+            reply.language = final.language
+            reply.usage.CopyFrom(final.usage)
+            reply.timing.CopyFrom(final.timing)
         return reply
 
     def Abort(self, request, context):  # noqa: N802
