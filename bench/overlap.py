@@ -30,7 +30,12 @@ def noise_image(seed: int, side: int) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-OFF_ENV = {"EPD_ENCODER_SHIP_PER_IMAGE": "false", "EPD_LANGUAGE_PREFILL_WHILE_RECEIVING": "false"}
+KV_ENV = {"EPD_LANGUAGE_KV_CACHE_MEMORY_MB": "2048"}  # two stacks share the host
+OFF_ENV = {
+    **KV_ENV,
+    "EPD_ENCODER_SHIP_PER_IMAGE": "false",
+    "EPD_LANGUAGE_PREFILL_WHILE_RECEIVING": "false",
+}
 MAX_TOKENS = 4
 PROMPT = "Describe each of these pictures."
 
@@ -55,8 +60,12 @@ def bench(args: argparse.Namespace) -> dict:
     rounds = 3 if args.quick else 8
     ttft: dict[str, list[float]] = {"on": [], "off": []}
     with tempfile.TemporaryDirectory(prefix="epd-bench-overlap-") as log_dir:
+        for name in ("on", "off"):
+            (Path(log_dir) / name).mkdir()
         stacks = {
-            "on": start_local_stack(model_dir, Path(log_dir) / "on", startup_timeout_s=STARTUP_S),
+            "on": start_local_stack(
+                model_dir, Path(log_dir) / "on", env=KV_ENV, startup_timeout_s=STARTUP_S
+            ),
             "off": start_local_stack(
                 model_dir, Path(log_dir) / "off", env=OFF_ENV, startup_timeout_s=STARTUP_S
             ),
