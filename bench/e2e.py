@@ -4,11 +4,13 @@ Starts a gateway, one encoder and one language worker as processes on 127.0.0.1 
 checkpoint, or with ``--size bench`` one with Qwen2.5-VL-3B's layer widths and 4+4 layers),
 drives the gateway at concurrency 1, 4 and 16 with a mixed image workload (text only, one small
 image, one medium image; every image distinct, so no embedding-cache hits) and reports
-requests/s, TTFT p50/p99 and inter-token latency p50. The baseline runs the same kind of
-requests through ``HFReference`` one after the other (``generate`` per request, as a monolithic
-server without batching would). The gateway's own overhead is the p50 difference between the
-same text-only request sent through the gateway and straight to the language worker's
-``Generate`` RPC, alternating.
+requests/s, TTFT p50/p99 and inter-token latency p50. Two monolithic baselines run the same
+kind of requests through ``HFReference``: one after the other (``generate`` per request, as a
+server without batching would), and in static batches of 16 (``bench.static_batch``: left
+padding to the longest prompt, one greedy ``generate`` per batch; the fair peer of a batching
+monolithic server, which answers a batch when its longest request ends). The gateway's own
+overhead is the p50 difference between the same text-only request sent through the gateway and
+straight to the language worker's ``Generate`` RPC, alternating.
 
 ``epd bench e2e [--json] [--quick] [--size demo|bench]`` or ``python -m bench.e2e``.
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from bench.static_batch import generate_batch
 from common.models.hf_reference import HFReference
 from common.models.tiny import ensure_tiny_model
 from protos.epd.v1 import common_pb2, language_pb2, language_pb2_grpc
@@ -42,6 +45,7 @@ NUM_REQUESTS = {1: 16, 4: 32, 16: 48}
 MAX_TOKENS = 16
 OVERHEAD_ROUNDS = 50
 STARTUP_S = 180.0
+STATIC_BATCH = 16
 
 
 @dataclass
@@ -60,10 +64,11 @@ class Row:
     ttft_p50_ms: float
     ttft_p99_ms: float
     itl_p50_ms: float
-    speedup: float = 0.0  # requests/s over the monolithic baseline
+    speedup: float = 0.0  # requests/s over the sequential monolithic baseline
+    vs_static: float = 0.0  # requests/s over the static-batch monolithic baseline
 
 
-def _png(image: Image.Image) -> bytes:
+def png(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
@@ -79,7 +84,7 @@ def workload(num: int, seed: int) -> list[Request]:
             Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes
         ]
         prompt = f"Request {seed}-{i}: describe what you see in a few words."
-        out.append(Request(prompt, images, [_png(im) for im in images]))
+        out.append(Request(prompt, images, [png(im) for im in images]))
     return out
 
 
@@ -93,7 +98,7 @@ def percentile(values: list[float], q: float) -> float:
 # ---- measurements ---------------------------------------------------------------------------
 
 
-def _one(client: GatewayClient, req: Request) -> tuple[float, list[float], int]:
+def stream_one(client: GatewayClient, req: Request) -> tuple[float, list[float], int]:
     """(TTFT seconds, inter-token gaps, tokens) of one streamed request."""
     start = time.perf_counter()
     ttft, last, gaps, tokens = 0.0, 0.0, [], 0
@@ -114,7 +119,7 @@ def _one(client: GatewayClient, req: Request) -> tuple[float, list[float], int]:
 def drive_gateway(address: str, concurrency: int, requests: list[Request]) -> Row:
     with GatewayClient(address) as client, ThreadPoolExecutor(concurrency) as pool:
         start = time.perf_counter()
-        results = list(pool.map(lambda r: _one(client, r), requests))
+        results = list(pool.map(lambda r: stream_one(client, r), requests))
         elapsed = time.perf_counter() - start
     ttfts = [r[0] for r in results]
     gaps = [g for r in results for g in r[1]]
@@ -145,6 +150,33 @@ def drive_monolithic(ref: HFReference, requests: list[Request]) -> Row:
     return Row(
         "transformers",
         1,
+        len(requests),
+        len(requests) / elapsed,
+        percentile(ttfts, 50) * 1e3,
+        percentile(ttfts, 99) * 1e3,
+        percentile(itls, 50) * 1e3,
+    )
+
+
+def drive_static(ref: HFReference, requests: list[Request], batch_size: int) -> Row:
+    """Static batches of ``batch_size``: every request of a batch is answered when the batch
+    ends, so its TTFT is the batch's time since the run started waiting on it (all requests
+    are there at the start, as at concurrency >= the batch size)."""
+    generate_batch(ref, [ref.build_inputs("warm up", [])] * 2, 2)
+    start = time.perf_counter()
+    ttfts, itls = [], []
+    for first in range(0, len(requests), batch_size):
+        t0 = time.perf_counter()
+        batch = requests[first : first + batch_size]
+        inputs = [ref.build_inputs(req.prompt, req.images) for req in batch]
+        tokens = generate_batch(ref, inputs, MAX_TOKENS)
+        now = time.perf_counter()
+        ttfts += [now - start] * len(batch)
+        itls += [(now - t0) / max(len(t), 1) for t in tokens]
+    elapsed = time.perf_counter() - start
+    return Row(
+        f"hf static {batch_size}",
+        batch_size,
         len(requests),
         len(requests) / elapsed,
         percentile(ttfts, 50) * 1e3,
@@ -215,7 +247,7 @@ def bench(args: argparse.Namespace) -> dict:
             rows = []
             with GatewayClient(stack.gateway.address) as client:  # warm-up
                 for req in workload(3, 999):
-                    _one(client, req)
+                    stream_one(client, req)
             for c in CONCURRENCY:
                 rows.append(
                     drive_gateway(stack.gateway.address, c, workload(NUM_REQUESTS[c] // scale, c))
@@ -229,28 +261,37 @@ def bench(args: argparse.Namespace) -> dict:
             stack.stop()
     ref = HFReference(model_dir)  # after the stack is gone: it has the CPU to itself
     baseline = drive_monolithic(ref, workload(NUM_REQUESTS[1] // scale, 1))
+    static = drive_static(ref, workload(NUM_REQUESTS[16] // scale, 16), STATIC_BATCH)
     for row in rows:
         row.speedup = row.requests_per_s / baseline.requests_per_s
+        row.vs_static = row.requests_per_s / static.requests_per_s
+    static.speedup = static.requests_per_s / baseline.requests_per_s
     return {
         "model": str(model_dir),
         "max_new_tokens": MAX_TOKENS,
         "rows": [asdict(r) for r in rows],
         "baseline": asdict(baseline),
+        "static_baseline": asdict(static),
         "speedup_at_16": rows[-1].speedup,
+        "vs_static_at_16": rows[-1].vs_static,
         "gateway_overhead": overhead,
     }
 
 
 def format_table(result: dict) -> str:
     head = f"{'path':<13}{'conc':>5}{'reqs':>6}{'req/s':>9}{'TTFT p50':>11}{'TTFT p99':>11}"
-    head += f"{'ITL p50':>10}{'vs HF':>8}"
+    head += f"{'ITL p50':>10}{'vs HF seq':>10}{'vs HF b16':>10}"
     lines = [f"model {result['model']}, {result['max_new_tokens']} new tokens per request", head]
-    for r in [*result["rows"], result["baseline"]]:
-        speedup = f"{r['speedup']:.2f}x" if r["name"] == "gateway" else "1.00x"
+    static = result.get("static_baseline")
+    for r in [*result["rows"], result["baseline"], *([static] if static else [])]:
+        seq = f"{r['speedup']:.2f}x" if r["speedup"] else "1.00x"
+        b16 = f"{r['vs_static']:.2f}x" if r["vs_static"] else "-"
+        if r is static:
+            b16 = "1.00x"
         lines.append(
             f"{r['name']:<13}{r['concurrency']:>5}{r['num_requests']:>6}"
             f"{r['requests_per_s']:>9.2f}{r['ttft_p50_ms']:>8.1f} ms{r['ttft_p99_ms']:>8.1f} ms"
-            f"{r['itl_p50_ms']:>7.2f} ms{speedup:>8}"
+            f"{r['itl_p50_ms']:>7.2f} ms{seq:>10}{b16:>10}"
         )
     o = result["gateway_overhead"]
     lines.append(
@@ -261,7 +302,16 @@ def format_table(result: dict) -> str:
     lines.append(
         f"requests/s at concurrency 16 vs transformers: {result['speedup_at_16']:.2f}x (goal >= 3x)"
     )
+    if static:
+        lines.append(
+            f"requests/s at concurrency 16 vs transformers static batches of {STATIC_BATCH}: "
+            f"{result['vs_static_at_16']:.2f}x"
+        )
     lines.append("transformers: sequential generate, TTFT = whole answer (no streaming)")
+    lines.append(
+        f"hf static {STATIC_BATCH}: batches of {STATIC_BATCH}, left-padded, greedy; "
+        "TTFT = when the request's batch ends"
+    )
     return "\n".join(lines)
 
 

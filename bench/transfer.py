@@ -3,7 +3,8 @@
 ``main()`` runs ``common.transfer.bench.measure`` for 128..16384 tokens (hidden 3584, bf16,
 all tokens image tokens) plus the three goal scenarios and four concurrent rooms, then the bytes
 on the wire per image in bf16 and fp32 for the real models' row widths (``bench.wire_bytes``),
-and prints the tables.
+and prints the tables; then the fixed cost of one room (``bench.room_cost``): a 1-token room
+through the protocol vs a raw write of its bytes, broken into write and control time.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 
-from bench import wire_bytes  # noqa: E402
+from bench import room_cost, wire_bytes  # noqa: E402
 from common.transfer.bench import BenchParams, format_table, is_clean, measure  # noqa: E402
 
 TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -54,6 +55,9 @@ def main() -> int:
         f"median of {wire_bytes.REPEATS})"
     )
     print(wire_bytes.format_table(per_image))
+    cost = room_cost.measure_room_cost()
+    print("\nwhat bounds small rooms")
+    print(room_cost.format_cost(cost, records))
     clean = all(is_clean(r) for r in records + [g[1] for g in goals])
     return 0 if clean and wire_bytes.all_clean(per_image) else 1
 

@@ -110,9 +110,11 @@ def _run(p: BenchParams, sender: Peer, receiver: Peer) -> dict:
     bytes raw, so both see the machine in the same state; the first repetition warms up."""
     session, raw_base = _raw_target(p, receiver)
     times, raw, writes, transfers, checksum_ok, nbytes = [], [], [], 0, True, 0
+    wakeups, frames = [], []
     for rep in range(p.repeats + 1):
         specs = [RequestSpec(rep * p.rooms + i + 1, p.tokens, p.tokens) for i in range(p.rooms)]
         before = sender.ask("call", "stats")
+        received_before = receiver.ask("call", "stats")
         if not sender.ask("submit_all", specs):
             raise RuntimeError("sender could not take the rooms")
         result = receiver.ask("receive", specs, sender.endpoint, 300.0, timeout_s=330.0)
@@ -122,12 +124,16 @@ def _run(p: BenchParams, sender: Peer, receiver: Peer) -> dict:
         if isinstance(outcomes[0], tuple):
             transfers = outcomes[0][1]
         after = sender.ask("call", "stats")
+        received_after = receiver.ask("call", "stats")
         nbytes = after["bytes_sent"] - before["bytes_sent"]
         raw_s = sender.ask("raw_write", session, raw_base, nbytes, 1)[0]
         if rep:
             times.append(result["elapsed_s"])
             raw.append(raw_s)
             writes.append(after["write_seconds"] - before["write_seconds"])
+            ends = ((before, after), (received_before, received_after))
+            wakeups.append(sum(b["num_wakeups"] - a["num_wakeups"] for a, b in ends) / p.rooms)
+            frames.append(sum(_frames(b) - _frames(a) for a, b in ends) / p.rooms)
     leaked_sender = sender.ask("wait_idle", 10.0)["num_used_blocks"]
     leaked_receiver = receiver.ask("wait_idle", 10.0)["num_used_blocks"]
     protocol_ms = statistics.median(times) * 1e3
@@ -145,7 +151,14 @@ def _run(p: BenchParams, sender: Peer, receiver: Peer) -> dict:
         "leaked_blocks_receiver": leaked_receiver,
         # not in the JSON line: the sender's time inside its writes, summed over its rooms
         "write_ms": round(statistics.median(writes) * 1e3, 3),
+        # nor these: control-loop wake-ups and control frames received, both ends, per room
+        "wakeups_per_room": statistics.median(wakeups),
+        "frames_per_room": statistics.median(frames),
     }
+
+
+def _frames(stats: dict) -> int:
+    return stats["messages"].get("received", 0)
 
 
 def _raw_target(p: BenchParams, receiver: Peer) -> tuple[str, int]:
