@@ -88,7 +88,9 @@ class EncoderService:
             dtype_name(self.layout.dtype),
             self.max_prompt_tokens,
         )
-        self.shipper = Shipper(self.sender, self.rooms, config.submit_retry_s)
+        self.shipper = Shipper(
+            self.sender, self.rooms, config.submit_retry_s, on_transfer_failed=self.cancel
+        )
 
     def accept(self, request: EncodeRequest) -> Accepted:
         """Validate and queue ``request``.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -123,9 +124,17 @@ class Shipper:
     """
 
     def __init__(
-        self, sender: Sender, rooms: RoomTable, retry_s: float, poll_s: float = POLL_S
+        self,
+        sender: Sender,
+        rooms: RoomTable,
+        retry_s: float,
+        poll_s: float = POLL_S,
+        on_transfer_failed: Callable[[int, str], None] | None = None,
     ) -> None:
         self.sender = sender
+        # a room begun image by image whose transfer failed while the ViT still works on it
+        # (its receiver gave up): the encoder cancels it, freeing its ViT work and patches
+        self._on_transfer_failed = on_transfer_failed
         self._rooms = rooms
         self._retry_s = retry_s
         self._poll_s = poll_s
@@ -158,19 +167,23 @@ class Shipper:
             self._wake.clear()
             self.num_passes += 1
             now = time.monotonic()
-            blocked = self._ship_early(now)
+            blocked, begun = self._ship_early(now)
             blocked = self._submit(now) or blocked
-            holding = self._poll(now)
+            holding = self._poll(now) or begun
             timeout = self._retry_s if blocked else self._poll_s if holding else None
 
-    def _ship_early(self, now: float) -> bool:
+    def _ship_early(self, now: float) -> tuple[bool, bool]:
         """Hand the sender the rows of rooms whose first images are encoded (begin a room the
-        first time); True when some wait for blocks."""
-        blocked = False
+        first time); (some wait for blocks, some are begun at the sender)."""
+        blocked = begun = False
         for record in self._rooms.partially_encoded():
             task, prompt, room = record.task, record.prompt, record.room
             if task is None or prompt is None or now > record.deadline:
                 continue  # the ViT loop or the deadline ends it
+            if record.num_rows_shipped >= 0:
+                if self._transfer_failed(room):
+                    continue
+                begun = True
             ready = task.leading_rows()
             num_rows = sum(len(rows) for rows in ready)
             if num_rows <= record.num_rows_shipped:
@@ -191,7 +204,18 @@ class Shipper:
                 self._fail(room, f"submit failed: {exc}")
                 continue
             self._rooms.shipped_rows(room, num_rows)
-        return blocked
+            begun = True
+        return blocked, begun
+
+    def _transfer_failed(self, room: int) -> bool:
+        """Whether a room begun at the sender failed there (it is then cancelled here)."""
+        try:
+            failed = self.sender.poll(room) == RoomState.FAILED
+        except KeyError:
+            failed = True
+        if failed and self._on_transfer_failed is not None:
+            self._on_transfer_failed(room, "the transfer failed before its last image")
+        return failed
 
     def _submit(self, now: float) -> bool:
         """Hand ENCODED rooms to the sender; True when some still wait for blocks."""

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 from encoder_helpers import encode_bytes, noise_image
 from prometheus_client import generate_latest
 
@@ -38,6 +39,7 @@ class FakeSender:
         self.failed: dict = {}
         self.expected: dict = {}
         self.states: dict = {}
+        self.pieces: dict = {}  # room -> rows handed over image by image (begin, add_rows)
         self.lock = threading.Lock()
 
     def submit(self, room, fill_ids, positions, image_rows, aux, image_mask=None) -> bool:
@@ -47,6 +49,20 @@ class FakeSender:
                 return False
             self.submitted[room] = (fill_ids, positions, image_rows, aux, image_mask)
             return True
+
+    def begin(self, room, fill_ids, positions, aux, image_mask=None, image_rows=None) -> bool:
+        with self.lock:
+            self.submitted[room] = (fill_ids, positions, image_rows, aux, image_mask)
+            self.pieces.setdefault(room, []).append(image_rows)
+            return True
+
+    def add_rows(self, room, image_rows, aux=None):
+        with self.lock:
+            self.pieces[room].append(image_rows)
+            if aux is not None:
+                fill_ids, positions, _, _, mask = self.submitted[room]
+                rows = torch.cat(self.pieces[room])
+                self.submitted[room] = (fill_ids, positions, rows, aux, mask)
 
     def expect(self, room, deadline):
         self.expected[room] = deadline
@@ -295,6 +311,58 @@ def test_an_expect_that_fails_does_not_strand_the_room(qwen25_dir):
     try:
         service.accept(_request(1, PNG))
         assert service.wait(1, RoomStatus.SHIPPED, 10).status == RoomStatus.SHIPPED
+        _idle(service)
+    finally:
+        service.close()
+
+
+def _three_images() -> list[bytes]:
+    return [encode_bytes(noise_image(100 + 20 * i, 80, 10 + i)) for i in range(3)]
+
+
+def test_a_request_ships_image_by_image(qwen25_dir):
+    """One ViT forward per image: the room is begun with the first image's rows and each next
+    image's rows follow (the last with the final metadata); together they are the rows a
+    whole-prompt submit ships."""
+    sender = FakeSender()
+    service = _service(qwen25_dir, sender, max_batch_patches=4)
+    try:
+        service.accept(_request(40, *_three_images()))
+        assert service.wait(40, RoomStatus.SHIPPED, timeout_s=20).status == RoomStatus.SHIPPED
+        pieces = sender.pieces[40]
+        assert len(pieces) >= 2 and pieces[0] is not None and len(pieces[0]) > 0
+        _, _, rows, aux, mask = sender.submitted[40]
+        assert rows.shape[0] == aux.num_image_rows == int(mask.sum())
+        assert json.loads(aux.extra)["encode_s"] > 0  # the final metadata came last
+        whole = FakeSender()
+        other = _service(qwen25_dir, whole, ship_per_image=False, cache_mb=0)
+        try:
+            other.accept(_request(41, *_three_images()))
+            assert other.wait(41, RoomStatus.SHIPPED, timeout_s=20).status == RoomStatus.SHIPPED
+            assert 41 not in whole.pieces
+            assert torch.equal(whole.submitted[41][2], rows)
+        finally:
+            other.close()
+        _idle(service)
+    finally:
+        service.close()
+
+
+def test_a_transfer_failed_between_images_cancels_the_room(qwen25_dir):
+    """The receiver gave the room up after its first image: the encoder cancels the rest."""
+    sender = FakeSender()
+    service = _service(qwen25_dir, sender, max_batch_patches=4)
+    gate, entered = _hold_vit(service)
+    try:
+        gate.set()
+        service.accept(_request(42, *_three_images()))
+        assert until(lambda: 42 in sender.pieces)  # begun with its first image
+        sender.states[42] = RoomState.FAILED
+        record = service.wait(42, RoomStatus.SHIPPED, timeout_s=20)
+        assert record.status == RoomStatus.FAILED
+        assert "the transfer failed before its last image" in record.error
+        # a forward running when it was cancelled gives its patches back as it ends
+        assert until(lambda: service.load().queued_pixel_bytes == 0)
         _idle(service)
     finally:
         service.close()
