@@ -2,6 +2,8 @@
 
 The encoder, language-engine and end-to-end benchmarks run twice: on the demo checkpoint and on
 the bench checkpoint (real layer widths, few layers; ``epd make-tiny-model --size bench``).
+``bench.limits`` holds each compute stage against the machine's own mm FLOP/s and copy
+bandwidth on the bench checkpoint only (the demo model's layers are too narrow to load a core).
 
 Each part runs in a fresh interpreter so that one benchmark's threads and memory do not skew
 the next; a failing part is reported and the rest still run (exit status 1 at the end).
@@ -15,14 +17,17 @@ import time
 
 BENCH = "bench model: Qwen2.5-VL-3B widths, 4+4 layers"
 PARTS = (
-    ("transfer protocol vs raw Mooncake / memcpy", ["-m", "bench.transfer"]),
+    (f"every stage vs the machine's limits, {BENCH}", ["-m", "bench.limits", "--size", "bench"]),
+    ("transfer protocol vs raw Mooncake / memcpy, fixed cost per room", ["-m", "bench.transfer"]),
     ("encoder: batching and embedding cache", ["-m", "bench.encoder"]),
     (f"encoder, {BENCH}", ["-m", "bench.encoder", "--size", "bench"]),
     ("language engine vs transformers", ["-m", "bench.language"]),
     (f"language engine vs transformers, {BENCH}", ["-m", "bench.language", "--size", "bench"]),
     ("end to end through the gateway vs transformers", ["-m", "bench.e2e"]),
     (f"end to end vs transformers, {BENCH}", ["-m", "bench.e2e", "--size", "bench"]),
+    ("tail latency under load: mixed workload at concurrency 16 and 64", ["-m", "bench.tail"]),
     ("the HTTP front door vs gRPC, same gateway", ["-m", "bench.http"]),
+    ("gateway overhead: direct vs relay vs gateway", ["-m", "bench.gateway"]),
     ("elastic: 1 vs 2 gateways, rolling restarts under load", ["-m", "bench.elastic"]),
     (f"every stage against its limit, {BENCH}", ["-m", "bench.limits", "--size", "bench"]),
     ("gateway overhead: direct vs bare relay vs gateway", ["-m", "bench.gateway"]),
