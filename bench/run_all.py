@@ -29,8 +29,6 @@ PARTS = (
     ("the HTTP front door vs gRPC, same gateway", ["-m", "bench.http"]),
     ("gateway overhead: direct vs relay vs gateway", ["-m", "bench.gateway"]),
     ("elastic: 1 vs 2 gateways, rolling restarts under load", ["-m", "bench.elastic"]),
-    (f"every stage against its limit, {BENCH}", ["-m", "bench.limits", "--size", "bench"]),
-    ("gateway overhead: direct vs bare relay vs gateway", ["-m", "bench.gateway"]),
     ("image by image + prefill while receiving, on vs off", ["-m", "bench.overlap"]),
 )
 
