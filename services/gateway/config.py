@@ -114,6 +114,12 @@ class GatewayConfig:
         "full), seconds a request waits and tries again (backing off, within its deadline) "
         "before the refusal reaches the client; 0 = refuse at once",
     )
+    language_busy_wait_s: float = field(
+        30.0,
+        help="when the language workers tried are busy (RESOURCE_EXHAUSTED: at their stream "
+        "capacity or queue full), seconds a request waits and tries again (backing off, "
+        "within its deadline) before the refusal reaches the client; 0 = refuse at once",
+    )
     default_timeout_s: float = field(120.0, help="deadline of a request without its own")
     default_max_new_tokens: int = field(128, help="max_new_tokens when the request sets 0")
     max_message_mb: int = field(64, help="largest gRPC message accepted (images are large)")
@@ -142,7 +148,12 @@ class GatewayConfig:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}")
         if self.worker_expiry_s <= self.heartbeat_interval_s:
             raise ValueError("worker_expiry_s must exceed heartbeat_interval_s")
-        for name in ("drain_timeout_s", "ready_delay_s"):
+        for name in (
+            "drain_timeout_s",
+            "ready_delay_s",
+            "encoder_busy_wait_s",
+            "language_busy_wait_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_queued < 1 or self.max_message_mb < 1:

@@ -17,7 +17,10 @@ retried on the next encoder with a fresh room. When every encoder tried was busy
 (``RESOURCE_EXHAUSTED``: at its stream capacity or its queue full), the request waits — backing
 off from 20 ms to 1 s, woken at once by a cancel — and tries again, for up to
 ``--encoder-busy-wait-s`` within its deadline: a burst above the encoders' capacity queues at
-the gateway (bounded by ``--max-queued``) instead of failing.
+the gateway (bounded by ``--max-queued``) instead of failing. A busy language worker is treated
+the same way (the next one, then waits up to ``--language-busy-wait-s``); one that is gone or
+draining (``UNAVAILABLE`` before its first chunk) is marked unhealthy and the request goes to
+the next (``--language-retries``).
 
 Ids: every call to a worker carries an id the gateway draws itself (128 random bits per call). The
 client's ``request_id`` only keys the admission table and is echoed in the answer, so no client
@@ -74,7 +77,11 @@ ENCODER_REFUSED_CODES = (
 )
 
 
-# Waits between rounds of encoders that were all busy.
+# A language worker's refusals before its first chunk after which the request goes elsewhere:
+# it is gone or draining (marked unhealthy, ``--language-retries``), or busy (waited for).
+NOT_STARTED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+# Waits between rounds of workers that were all busy.
 BUSY_BACKOFF_S = (0.02, 1.0)  # first, longest
 
 # Final chunks after which the encoder may still hold the room (the transfer did not finish).
@@ -187,10 +194,14 @@ class Orchestrator:
         ordered, reason = self._order(Role.LANGUAGE, self.registry.healthy(Role.LANGUAGE), key)
         languages = self._fitting(ordered, sampling.max_new_tokens, request.sampling)
         job = Job(request, sampling, key, admitted, deadline)
-        for retry in range(1 + self.config.language_retries):
+        give_up_at = min(deadline, time.monotonic() + self.config.language_busy_wait_s)
+        backoff = BUSY_BACKOFF_S[0]
+        retries = 0
+        busy: set[str] = set()  # workers that refused as busy since the last wait
+        while True:
             dispatch = self._dispatch(job, languages)
             language = dispatch.language
-            if retry:
+            if retries:
                 reason = "retry"
             elif language is not ordered[0]:  # the policy's choice cannot take it
                 reason = "layout" if language is not languages[0] else "max_seq_len"
@@ -200,12 +211,26 @@ class Orchestrator:
                 yield from self._stream(dispatch, admitted)
                 return
             except NotStarted as exc:
+                if exc.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # busy, not broken: the next one; once all were, wait and go round again
+                    languages = [w for w in languages if w is not language] + [language]
+                    busy.add(language.address)
+                    if all(w.address in busy for w in languages):
+                        wait_s = min(backoff, give_up_at - time.monotonic())
+                        if wait_s <= 0:
+                            raise exc.error from None
+                        self.metrics.routed("language", "busy_wait")
+                        if admitted.wait_cancelled(wait_s):
+                            raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED) from None
+                        backoff = min(2 * backoff, BUSY_BACKOFF_S[1])
+                        busy.clear()
+                    continue
+                retries += 1
                 self.registry.mark(language.address, False)
                 languages = [w for w in languages if w is not language]
-                if not languages or admitted.cancelled or time.monotonic() >= deadline:
+                out_of_time = admitted.cancelled or time.monotonic() >= deadline
+                if not languages or out_of_time or retries > self.config.language_retries:
                     raise exc.error from None
-                last = exc.error
-        raise last
 
     def _dispatch(self, job: Job, languages: list[Worker]) -> Dispatch:
         """Start the request on the first of ``languages`` (with an encoder of its layout when
@@ -404,7 +429,7 @@ class Orchestrator:
                 raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED) from None
             error = _status_from_rpc(exc, f"language worker {dispatch.language.address}")
             failure = f"language worker refused or failed: {error.code.name}"
-            if not streamed and error.code == grpc.StatusCode.UNAVAILABLE:
+            if not streamed and error.code in NOT_STARTED_CODES:
                 raise NotStarted(error) from None
             raise error from None
         finally:

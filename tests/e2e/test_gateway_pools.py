@@ -142,7 +142,9 @@ def test_language_refusal_leaves_nothing_on_the_encoder(
     tiny_model_dir, stack_factory, tmp_path
 ) -> None:
     model_dir = tiny_model_dir(ARCH)
-    stack = stack_factory(model_dir, num_languages=0)
+    # --language-busy-wait-s 0: the language worker's refusal reaches the client at once
+    gateway_args = ("--language-busy-wait-s", "0")
+    stack = stack_factory(model_dir, num_languages=0, gateway_args=gateway_args)
     if not encoder_cancel_implemented(stack.encoders[0].address):
         pytest.skip("the encoder does not implement Encoder.Cancel yet")
     # one request decoding, one waiting: the next is refused at the language worker's door
