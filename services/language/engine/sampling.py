@@ -104,23 +104,28 @@ class NonFiniteLogitsError(ValueError):
 
 
 def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int | Exception]:
-    """One token per row of ``logits`` [S, vocab], or the exception that row raised.
+    """One token per row of ``logits`` [S, vocab] (any float dtype, any device), or the
+    exception that row raised.
 
-    A row's failure (non-finite logits, a sampler error) is that request's alone: the other
-    rows are sampled as usual.
+    Greedy rows need only the row maxima: two reductions on the logits' device, and only
+    ``[S]`` values move to the CPU; a row is copied over (as float32) only to be sampled. A row's
+    failure (non-finite logits, a sampler error) is that request's alone: the other rows are
+    sampled as usual.
     """
-    logits = logits.float().cpu()
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
-    greedy = logits.argmax(dim=-1).tolist()  # one call for every greedy row
+    best_values, best = logits.max(dim=-1)  # the first maximum on ties, as argmax
+    # NaN propagates through max and min, so both are finite iff the whole row is
+    lowest = logits.amin(dim=-1)
+    finite = (torch.isfinite(best_values) & torch.isfinite(lowest)).tolist()
+    greedy = best.tolist()
     out: list[int | Exception] = []
-    for row, state, ok, best in zip(logits, states, finite, greedy, strict=True):
+    for i, (state, ok, token) in enumerate(zip(states, finite, greedy, strict=True)):
         if not ok:
             out.append(NonFiniteLogitsError("the model produced non-finite logits (NaN or inf)"))
         elif state.params.temperature == 0:
-            out.append(int(best))
+            out.append(token)
         else:
             try:
-                out.append(state.sample(row))
+                out.append(state.sample(logits[i].float().cpu()))
             except Exception as exc:  # isolated to this request
                 out.append(exc)
     return out
