@@ -41,8 +41,8 @@ class Plan:
 PLANS = {  # (size, quick) -> plan
     ("demo", False): Plan(2048, 128, 64, 3, 1100),
     ("demo", True): Plan(2048, 128, 16, 1, 1100),
-    ("bench", False): Plan(512, 32, 16, 1, 448),
-    ("bench", True): Plan(256, 16, 8, 1, 448),
+    ("bench", False): Plan(128, 16, 16, 1, 448),
+    ("bench", True): Plan(64, 8, 8, 1, 224),
 }
 BATCHES = (1, 8, 32)
 
