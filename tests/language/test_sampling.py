@@ -64,6 +64,26 @@ def test_a_bad_row_fails_alone():
     assert isinstance(out[1], NonFiniteLogitsError)
 
 
+def test_inf_rows_fail_and_a_minus_inf_logit_is_only_improbable():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    logits[0, 3] = math.inf
+    logits[1, :] = -math.inf
+    logits[2, 9] = -math.inf  # a masked-out token: the row is still usable
+    logits[3, 9] = -math.inf
+    states = [SamplerState.create(SamplingParams()) for _ in range(3)]
+    states.append(SamplerState.create(SamplingParams(temperature=0.8, seed=4)))
+    out = sample(logits, states)
+    assert isinstance(out[0], NonFiniteLogitsError) and isinstance(out[1], NonFiniteLogitsError)
+    assert out[2] == int(logits[2].argmax())
+    assert isinstance(out[3], int) and out[3] != 9
+
+
+def test_greedy_rows_of_bf16_logits_match_their_float32_argmax():
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(5)).bfloat16()
+    out = sample(logits, [SamplerState.create(SamplingParams()) for _ in range(3)])
+    assert out == logits.float().argmax(dim=-1).tolist()
+
+
 def test_a_raising_sampler_fails_its_row_alone():
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(2))
     good = SamplerState.create(SamplingParams(temperature=0.7, seed=5))

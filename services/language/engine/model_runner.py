@@ -1,8 +1,11 @@
 """Turns scheduled chunks into a ``ForwardBatch``, runs the decoder and returns logits.
 
-Each chunk's inputs are gathered on their own: a chunk whose inputs cannot be built (a bad
-prompt) is left out of the batch and reported in ``RunResult.failed``, so it fails its request
-alone. An exception from the forward itself (device, model) propagates: the whole batch failed.
+Decode tokens (one generated token each) come first in the flat batch and are gathered for all
+requests at once from plain Python values: per-request tensor work is what dominates a decode
+step of a small model. Prefill chunks follow; each one's inputs are gathered on its own, and a
+chunk whose inputs cannot be built (a bad prompt) is left out of the batch and reported in
+``RunResult.failed``, so it fails its request alone. An exception from the forward itself
+(device, model) propagates: the whole batch failed.
 """
 
 from __future__ import annotations
@@ -32,8 +35,15 @@ class ChunkInputs:
 @dataclass
 class RunResult:
     chunks: list[ScheduledChunk]  # the chunks that ran, in batch order
-    logits: torch.Tensor  # [number of sampled chunks among them, vocab], float32 on the CPU
+    # [number of sampled chunks among them, vocab], in the model's dtype, on its device: the
+    # sampler moves to the CPU only what it needs (token ids when greedy)
+    logits: torch.Tensor
     failed: list[tuple[ScheduledChunk, Exception]] = field(default_factory=list)
+
+
+def is_decode(chunk: ScheduledChunk) -> bool:
+    """One generated token (its K/V not computed yet): no image rows, a 1-D position."""
+    return chunk.end - chunk.start == 1 and chunk.start >= chunk.req.prompt_len
 
 
 def gather_inputs(chunk: ScheduledChunk) -> ChunkInputs:
@@ -55,60 +65,73 @@ class ModelRunner:
         self.device = device
         self.dtype = next(model.parameters()).dtype
 
-    def build_batch(self, parts: list[ChunkInputs]) -> ForwardBatch:
-        """Flat rows in chunk order; logits are returned for chunks with ``sample``."""
-        extends, decode_rows, decode_slots, logit_rows = [], [], [], []
-        row = 0
+    def build_batch(self, decodes: list[ScheduledChunk], parts: list[ChunkInputs]) -> ForwardBatch:
+        """Flat rows: the decode tokens, then the chunks; logits of the decode rows and of the
+        chunks with ``sample``, in that order."""
+        ids, pos, kv_slots = [], [], []
+        for chunk in decodes:
+            req = chunk.req
+            ids.append(req.output_ids[chunk.start - req.prompt_len])
+            pos.append(chunk.start + req.inputs.mrope_delta)
+            kv_slots.append(req.slots[: chunk.end])
+        decode = self._decode_group(kv_slots)
+        extends, logit_rows = [], list(range(len(decodes)))
+        row = len(decodes)
         for part in parts:
             num = part.chunk.end - part.chunk.start
-            if num == 1:
-                decode_rows.append(row)
-                decode_slots.append(part.kv_slots)
-            else:
-                extends.append(ExtendSegment(row, num, part.kv_slots.to(self.device)))
+            extends.append(ExtendSegment(row, num, part.kv_slots.to(self.device)))
             if part.chunk.sample:
                 logit_rows.append(row + num - 1)
             row += num
+        fill_ids = [torch.tensor(ids, dtype=torch.long)] + [p.fill_ids for p in parts]
+        positions = [torch.tensor(pos, dtype=torch.long).expand(3, -1)]
+        positions += [p.positions for p in parts]
+        out_slots = [decode.kv_slots[:, -1]] if decode is not None else []  # see _decode_group
+        out_slots += [p.out_slots for p in parts]
         # NOTE: received rows are in the wire dtype (bf16 by default): cast to the model's here.
         image_rows = [p.image_rows.to(self.dtype) for p in parts if p.image_rows.shape[0]]
         rows = torch.cat(image_rows).to(self.device) if image_rows else None
         return ForwardBatch(
-            fill_ids=torch.cat([p.fill_ids for p in parts]).to(self.device),
-            positions=torch.cat([p.positions for p in parts], dim=1).to(self.device),
+            fill_ids=torch.cat(fill_ids).to(self.device),
+            positions=torch.cat(positions, dim=1).to(self.device),
             image_rows=rows,
-            out_slots=torch.cat([p.out_slots for p in parts]).to(self.device),
+            out_slots=torch.cat(out_slots).to(self.device),
             extends=extends,
-            decode=self._decode_group(decode_rows, decode_slots),
+            decode=decode,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
         )
 
-    def _decode_group(self, rows: list[int], slots: list[torch.Tensor]) -> DecodeGroup | None:
-        """Decode requests padded to the longest; a pad repeats the request's own first slot
-        (always written, masked out), never a slot another request or nobody wrote."""
-        if not rows:
+    def _decode_group(self, slots: list[torch.Tensor]) -> DecodeGroup | None:
+        """Decode requests' KV slots, left-padded to the longest: a pad repeats the request's
+        own first slot (always written, masked out), never a slot another request or nobody
+        wrote. Left padding keeps each request's newest slot, the one this step writes, in the
+        last column."""
+        if not slots:
             return None
         lens = torch.tensor([s.shape[0] for s in slots])
         max_len = int(lens.max())
-        padded = torch.stack([s[:1].expand(max_len) for s in slots]).clone()
-        for i, s in enumerate(slots):
-            padded[i, : s.shape[0]] = s
-        mask = torch.arange(max_len)[None, :] < lens[:, None]
+        flat = torch.cat(slots)
+        firsts = flat[lens.cumsum(0) - lens]
+        padded = firsts[:, None].expand(-1, max_len).clone()
+        real = torch.arange(max_len)[None, :] >= (max_len - lens)[:, None]
+        padded[real] = flat  # the row-major order of ``real`` is the order of ``flat``
         return DecodeGroup(
-            q_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
-            kv_slots=padded.to(self.device),
-            kv_mask=mask[:, None, None, :].to(self.device),
+            kv_slots=padded.to(self.device), kv_mask=real[:, None, None, :].to(self.device)
         )
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> RunResult:
-        """Gather each chunk's inputs (a failure drops that chunk), then one forward."""
-        parts, failed = [], []
+        """Gather the inputs (a failure drops that chunk), then one forward."""
+        decodes, parts, failed = [], [], []
         for chunk in chunks:
+            if is_decode(chunk):
+                decodes.append(chunk)
+                continue
             try:
                 parts.append(gather_inputs(chunk))
             except Exception as exc:  # this request's inputs are bad; the others go on
                 failed.append((chunk, exc))
-        if not parts:
+        if not decodes and not parts:
             return RunResult([], torch.zeros(0, 0), failed)
-        logits = self.model(self.build_batch(parts), self.kv_pool)
-        return RunResult([p.chunk for p in parts], logits.float().cpu(), failed)
+        logits = self.model(self.build_batch(decodes, parts), self.kv_pool)
+        return RunResult(decodes + [p.chunk for p in parts], logits, failed)

@@ -3,7 +3,8 @@
 ``SamplingParams`` refuses values the sampler cannot use (a ValueError naming the field and its
 bound), so a bad request is turned away at admission instead of failing inside a batch. The
 sampler itself isolates rows: ``sample`` returns, per row, either a token or the exception that
-row raised, and a row whose logits are not finite is an error for that request alone.
+row raised, and a row with a NaN or +inf logit (or nothing but -inf) is an error for that request
+alone; a -inf logit among finite ones is a token of probability 0.
 
 NOTE: temperatures in (0, ``MIN_TEMPERATURE``) are sampled at ``MIN_TEMPERATURE``: dividing
 logits by a tiny temperature overflows float32 to inf (and softmax to NaN); at 1e-2 the
@@ -100,27 +101,31 @@ class SamplerState:
 
 
 class NonFiniteLogitsError(ValueError):
-    """The model produced NaN or infinite logits for one request (e.g. from its image rows)."""
+    """The model produced NaN or +inf logits for one request (e.g. from its image rows)."""
 
 
 def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int | Exception]:
-    """One token per row of ``logits`` [S, vocab], or the exception that row raised.
+    """One token per row of ``logits`` [S, vocab] (any float dtype, any device), or the
+    exception that row raised.
 
-    A row's failure (non-finite logits, a sampler error) is that request's alone: the other
-    rows are sampled as usual.
+    Greedy rows need only the row maxima: one reduction on the logits' device, and only
+    ``[S]`` values move to the CPU; a row is copied over (as float32) only to be sampled. A row's
+    failure (a NaN or +inf logit, a sampler error) is that request's alone: the other rows are
+    sampled as usual.
     """
-    logits = logits.float().cpu()
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
-    greedy = logits.argmax(dim=-1).tolist()  # one call for every greedy row
+    # The first maximum on ties, as argmax. A NaN anywhere in a row is its max, as is a +inf.
+    best_values, best = logits.max(dim=-1)
+    finite = torch.isfinite(best_values).tolist()
+    greedy = best.tolist()
     out: list[int | Exception] = []
-    for row, state, ok, best in zip(logits, states, finite, greedy, strict=True):
+    for i, (state, ok, token) in enumerate(zip(states, finite, greedy, strict=True)):
         if not ok:
-            out.append(NonFiniteLogitsError("the model produced non-finite logits (NaN or inf)"))
+            out.append(NonFiniteLogitsError("the model produced non-finite logits (NaN or +inf)"))
         elif state.params.temperature == 0:
-            out.append(int(best))
+            out.append(token)
         else:
             try:
-                out.append(state.sample(row))
+                out.append(state.sample(logits[i].float().cpu()))
             except Exception as exc:  # isolated to this request
                 out.append(exc)
     return out

@@ -2,7 +2,9 @@
 
 Prefill chunks attend causally with an offset: query ``i`` of a chunk that follows
 ``prefix_len`` cached tokens sees keys ``0 .. prefix_len + i``. Decode tokens see all their
-keys; they are padded into one call with a key mask.
+keys; they are padded into one call with a key mask. A decode query is one token, so the
+``heads / kv_heads`` query heads that share a KV head are laid out as that head's query rows:
+SDPA then reads each K/V head once instead of a copy repeated per query head (GQA).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ def paged_attention(
     out = torch.empty_like(q)
     for seg in batch.extends:
         qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
-        k = k_cache[seg.kv_slots].transpose(0, 1)[None]
-        v = v_cache[seg.kv_slots].transpose(0, 1)[None]
+        k = k_cache.index_select(0, seg.kv_slots).transpose(0, 1)[None]
+        v = v_cache.index_select(0, seg.kv_slots).transpose(0, 1)[None]
         prefix_len = int(seg.kv_slots.shape[0]) - seg.q_len
         if prefix_len == 0:
             o = F.scaled_dot_product_attention(
@@ -42,12 +44,12 @@ def paged_attention(
             )
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
     if batch.decode is not None:
-        group = batch.decode
-        qd = q[group.q_rows][:, :, None, :]  # [B, heads, 1, head_dim]
-        k = k_cache[group.kv_slots].transpose(1, 2)  # [B, kv_heads, L, head_dim]
-        v = v_cache[group.kv_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qd, k, v, attn_mask=group.kv_mask, scale=scale, enable_gqa=True
-        )
-        out[group.q_rows] = o[:, :, 0, :]
+        num, max_len = batch.decode.kv_slots.shape
+        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        qd = q[:num].view(num, kv_heads, -1, head_dim)  # [B, kv_heads, group, head_dim]
+        flat = batch.decode.kv_slots.view(-1)
+        k = k_cache.index_select(0, flat).view(num, max_len, kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, flat).view(num, max_len, kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode.kv_mask, scale=scale)
+        out[:num] = o.reshape(num, -1, head_dim)
     return out

@@ -23,11 +23,15 @@ class ExtendSegment:
 
 @dataclass
 class DecodeGroup:
-    """Requests with exactly one new token, attended in one padded SDPA call."""
+    """Requests with exactly one new token, attended in one padded SDPA call. Their tokens are
+    the first ``B`` rows of the flat batch, so queries and outputs are slices, not gathers."""
 
-    q_rows: torch.Tensor  # long [B]: row of each request's token in the flat batch
-    kv_slots: torch.Tensor  # long [B, max_kv_len], padded with slot 0
+    kv_slots: torch.Tensor  # long [B, max_kv_len], padded with each request's own first slot
     kv_mask: torch.Tensor  # bool [B, 1, 1, max_kv_len]: True at real keys
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.kv_slots.shape[0])
 
 
 @dataclass

@@ -75,8 +75,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_pool.layer(self.layer_id)
-        k_cache[batch.out_slots] = k
-        v_cache[batch.out_slots] = v
+        k_cache.index_copy_(0, batch.out_slots, k)
+        v_cache.index_copy_(0, batch.out_slots, v)
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
