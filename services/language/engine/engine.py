@@ -347,7 +347,8 @@ class LanguageEngine:
         info = cm.cache.size_info()
         return EngineLoad(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            # a request queued while its prompt still arrives counts as receiving, not twice
+            num_waiting=sum(1 for r in self.scheduler.waiting if r.room not in self.receiving),
             num_receiving=len(self.receiving),
             num_kv_slots_used=cm.num_used,
             num_kv_slots_total=cm.allocator.num_slots,
