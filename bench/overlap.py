@@ -52,7 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--size", choices=("demo", "bench"), default="demo", help="generated Qwen2.5-VL checkpoint"
     )
     parser.add_argument("--images", type=int, default=4, help="images per request")
-    parser.add_argument("--side", type=int, default=896, help="image width and height, pixels")
+    parser.add_argument(
+        "--side",
+        type=int,
+        default=1344,
+        help="image width and height, pixels (1344: each image a ViT forward of its own)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
