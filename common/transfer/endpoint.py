@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 MAX_SLEEP_MS = 2**31 - 1  # zmq_poll takes a C long of milliseconds: ~24 days
 
 
+WAKE_SLACK_S = 0.002  # a timer this much earlier than the loop's own wake-up does not wake it
+
+
 class TransferEndpoint(ABC):
     def __init__(self, config: TransferConfig, layout: BufferLayout, shared: bool) -> None:
         if (layout.num_blocks, layout.block_size) != (config.num_blocks, config.block_size):
@@ -80,6 +83,7 @@ class TransferEndpoint(ABC):
         self.endpoint = self.channel.endpoint
         self.peers = PeerTracker(config.heartbeat_interval_s, config.heartbeat_timeout_s)
         self.num_wakeups = 0  # loop iterations (frames, timers, wake calls): for idle checks
+        self._sleep_until = math.inf  # when the loop wakes by itself next (set under the lock)
         self._thread = threading.Thread(
             target=self._loop, name=f"{type(self).__name__}-loop", daemon=True
         )
@@ -89,7 +93,13 @@ class TransferEndpoint(ABC):
         return messages.envelope(self.endpoint, self.incarnation)
 
     def _wake(self) -> None:
-        """Timers changed outside the loop thread: let it recompute when to wake."""
+        """Timers changed outside the loop thread: wake it if something is now due before it
+        planned to wake by itself. A wake-up that changes nothing is a thread switch on the
+        path of every small room, so it is skipped (the loop finds the change when it wakes)."""
+        with self._lock:
+            due = self._next_due()
+            if due is None or due >= self._sleep_until - WAKE_SLACK_S:
+                return
         self.channel.wake()
 
     def _loop(self) -> None:
@@ -112,10 +122,12 @@ class TransferEndpoint(ABC):
                 except Exception:  # a bug: keep serving, and look again a little later
                     logger.exception("transfer tick failed")
                     due = time.monotonic() + self.config.heartbeat_interval_s
-            if due is None:
-                timeout_ms = None
-            else:
-                timeout_ms = min(MAX_SLEEP_MS, max(0, math.ceil((due - time.monotonic()) * 1000)))
+                if due is None:
+                    timeout_ms, self._sleep_until = None, math.inf
+                else:
+                    now = time.monotonic()
+                    timeout_ms = min(MAX_SLEEP_MS, max(0, math.ceil((due - now) * 1000)))
+                    self._sleep_until = now + timeout_ms / 1000
 
     def _dispatch(self, frame: bytes) -> None:
         with self._lock:
@@ -201,7 +213,7 @@ class TransferEndpoint(ABC):
 
     def _close_endpoint(self) -> None:
         self._closed.set()
-        self._wake()
+        self.channel.wake()
         self._thread.join(timeout=5)
         self.channel.close()
         if self.mooncake is not None:
