@@ -352,13 +352,22 @@ def test_a_transfer_failed_between_images_cancels_the_room(qwen25_dir):
     """The receiver gave the room up after its first image: the encoder cancels the rest."""
     sender = FakeSender()
     service = _service(qwen25_dir, sender, max_batch_patches=4)
-    gate, entered = _hold_vit(service)
+    gate = threading.Event()
+    forward, calls = service.pipeline.batcher._forward, []
+
+    def first_then_held(pixels, grids):  # the first image's forward, then wait for the gate
+        calls.append(len(grids))
+        if len(calls) > 1:
+            assert gate.wait(30)
+        return forward(pixels, grids)
+
+    service.pipeline.batcher._forward = first_then_held
     try:
-        gate.set()
         service.accept(_request(42, *_three_images()))
         assert until(lambda: 42 in sender.pieces)  # begun with its first image
         sender.states[42] = RoomState.FAILED
         record = service.wait(42, RoomStatus.SHIPPED, timeout_s=20)
+        gate.set()
         assert record.status == RoomStatus.FAILED
         assert "the transfer failed before its last image" in record.error
         # a forward running when it was cancelled gives its patches back as it ends

@@ -147,7 +147,10 @@ def test_sampling_options(client, model) -> None:
     assert seeded[0].choices[0].message.content == seeded[1].choices[0].message.content
     stop = next((text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].strip()), "")
     if stop:  # a stop string inside the greedy answer ends it there, excluded
-        stopped = ask(max_tokens=MAX_TOKENS, temperature=0, stop=stop)
+        # ignore_eos as above: an end-of-sequence token (invisible in the text) must not end it
+        stopped = ask(
+            max_tokens=MAX_TOKENS, temperature=0, stop=stop, extra_body={"ignore_eos": True}
+        )
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.choices[0].message.content == text[: text.index(stop)]
 
