@@ -31,6 +31,7 @@ class ScriptedGateway(gateway_pb2_grpc.GatewayServicer):
         self.live: set[str] = set()
         self.release = threading.Event()
         self.release.set()
+        self.aborted: set[str] = set()
 
     def _seen(self, rpc: str, context) -> None:
         self.calls.append((rpc, dict(context.invocation_metadata())))
@@ -42,6 +43,8 @@ class ScriptedGateway(gateway_pb2_grpc.GatewayServicer):
             for i in range(self.num_chunks):
                 yield gateway_pb2.GenerateChunk(text=self.name, token_ids=[i])
                 self.release.wait(10)
+                if request.request_id in self.aborted:  # as the gateway ends an aborted stream
+                    context.abort(grpc.StatusCode.CANCELLED, "request aborted")
             if self.fail_after is not None:
                 context.abort(self.fail_after, f"{self.name} failed mid-stream")
         finally:
@@ -57,6 +60,7 @@ class ScriptedGateway(gateway_pb2_grpc.GatewayServicer):
         self._seen("Abort", context)
         if request.request_id not in self.live:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r}")
+        self.aborted.add(request.request_id)
         self.release.set()
         return gateway_pb2.AbortResponse(aborted=True)
 
