@@ -243,7 +243,7 @@ def bench(args: argparse.Namespace) -> dict:
     scale = 3 if args.quick else 1
     with tempfile.TemporaryDirectory(prefix="epd-bench-e2e-") as log_dir:
         stack = start_local_stack(Path(model_dir), Path(log_dir), startup_timeout_s=STARTUP_S)
-        try:
+        with stack.serving():
             rows = []
             with GatewayClient(stack.gateway.address) as client:  # warm-up
                 for req in workload(3, 999):
@@ -253,12 +253,6 @@ def bench(args: argparse.Namespace) -> dict:
                     drive_gateway(stack.gateway.address, c, workload(NUM_REQUESTS[c] // scale, c))
                 )
             overhead = gateway_overhead_ms(stack, args.overhead_rounds)
-        except BaseException:
-            for proc in stack.procs:
-                print(f"--- {proc.name} log ---\n{proc.tail()}", file=sys.stderr)
-            raise
-        finally:
-            stack.stop()
     ref = HFReference(model_dir)  # after the stack is gone: it has the CPU to itself
     baseline = drive_monolithic(ref, workload(NUM_REQUESTS[1] // scale, 1))
     static = drive_static(ref, workload(NUM_REQUESTS[16] // scale, 16), STATIC_BATCH)

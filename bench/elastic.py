@@ -267,15 +267,9 @@ def bench(args: argparse.Namespace) -> dict:
             worker_args=("--grpc-workers", str(2 * CONCURRENCY)),
             startup_timeout_s=STARTUP_S,
         )
-        try:
+        with stack.serving():
             scale = scale_out(stack, rounds, num)
             restarts = rolling_restarts(stack, args.load_concurrency, 2.0 if args.quick else 4.0)
-        except BaseException:
-            for proc in stack.procs:
-                print(f"--- {proc.name} log ---\n{proc.tail()}", file=sys.stderr)
-            raise
-        finally:
-            stack.stop()
     return {
         "model": str(model_dir),
         "pools": {"encoders": args.encoders, "languages": args.languages, "gateways": 2},

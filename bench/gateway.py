@@ -280,42 +280,38 @@ def bench(args: argparse.Namespace) -> dict:
             Path(model_dir), log_dir, num_encoders=0, startup_timeout_s=STARTUP_S
         )
         relays: list[RelayProcess] = []
-        try:
-            worker = stack.languages[0].address
-            relays.append(RelayProcess(worker, False, log_dir))
-            names = ["relay"]
-            if args.aio:
-                relays.append(RelayProcess(worker, True, log_dir))
-                names.append("relay-aio")
-            relays.append(RelayProcess(worker, False, log_dir, single_threaded=True))
-            names.append("relay-st")
-            paths = Paths(worker, dict(zip(names, (r.address for r in relays), strict=True)),
-                          stack.gateway.address)  # fmt: skip
-            hops = {name: r.proc.pid for name, r in zip(names, relays, strict=True)}
-            hops["gateway"] = stack.gateway.proc.pid
-            idle = {name: cpu_s(pid) for name, pid in hops.items()}
-            time.sleep(IDLE_S)  # the background work (heartbeats, health polls), to subtract
-            cpu_before = {name: cpu_s(pid) for name, pid in hops.items()}
-            idle = {name: (cpu_before[name] - idle[name]) / IDLE_S for name in hops}
-            start = time.monotonic()
+        with stack.serving():
             try:
-                samples = measure(paths, args.rounds)
+                worker = stack.languages[0].address
+                relays.append(RelayProcess(worker, False, log_dir))
+                names = ["relay"]
+                if args.aio:
+                    relays.append(RelayProcess(worker, True, log_dir))
+                    names.append("relay-aio")
+                relays.append(RelayProcess(worker, False, log_dir, single_threaded=True))
+                names.append("relay-st")
+                paths = Paths(worker, dict(zip(names, (r.address for r in relays), strict=True)),
+                              stack.gateway.address)  # fmt: skip
+                hops = {name: r.proc.pid for name, r in zip(names, relays, strict=True)}
+                hops["gateway"] = stack.gateway.proc.pid
+                idle = {name: cpu_s(pid) for name, pid in hops.items()}
+                time.sleep(IDLE_S)  # the background work (heartbeats, health polls), to subtract
+                cpu_before = {name: cpu_s(pid) for name, pid in hops.items()}
+                idle = {name: (cpu_before[name] - idle[name]) / IDLE_S for name in hops}
+                start = time.monotonic()
+                try:
+                    samples = measure(paths, args.rounds)
+                finally:
+                    paths.close()
+                took = time.monotonic() - start
+                num_calls = 2 * (WARMUP_ROUNDS + args.rounds)  # through each hop: stream + unary
+                cpu_ms = {
+                    name: (cpu_s(pid) - cpu_before[name] - idle[name] * took) / num_calls * 1e3
+                    for name, pid in hops.items()
+                }
             finally:
-                paths.close()
-            took = time.monotonic() - start
-            num_calls = 2 * (WARMUP_ROUNDS + args.rounds)  # through each hop: stream + unary
-            cpu_ms = {
-                name: (cpu_s(pid) - cpu_before[name] - idle[name] * took) / num_calls * 1e3
-                for name, pid in hops.items()
-            }
-        except BaseException:
-            for proc in stack.procs:
-                print(f"--- {proc.name} log ---\n{proc.tail()}", file=sys.stderr)
-            raise
-        finally:
-            for relay in relays:
-                relay.stop()
-            stack.stop()
+                for relay in relays:
+                    relay.stop()
     return {"model": str(model_dir), "max_new_tokens": MAX_TOKENS, "rounds": args.rounds,
             "cpu_ms_per_request": cpu_ms, **summarize(samples)}  # fmt: skip
 

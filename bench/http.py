@@ -182,7 +182,7 @@ def bench(args: argparse.Namespace) -> dict:
         stack: LocalStack = start_local_stack(
             model_dir, Path(log_dir), http_port=0, startup_timeout_s=STARTUP_S
         )
-        try:
+        with stack.serving():
             with GatewayClient(stack.gateway.address) as client:
                 http_door, grpc_door = HttpDoor(stack.http_url), GrpcDoor(client)
                 lat = latency(http_door, grpc_door, rounds)
@@ -195,12 +195,6 @@ def bench(args: argparse.Namespace) -> dict:
                         else (lambda: GrpcDoor(client))
                     )
                     rates[name].append(throughput(make, CONCURRENCY, per_worker))
-        except BaseException:
-            for proc in stack.procs:
-                print(f"--- {proc.name} log ---\n{proc.tail()}", file=sys.stderr)
-            raise
-        finally:
-            stack.stop()
     http_rps, grpc_rps = statistics.mean(rates["http"]), statistics.mean(rates["grpc"])
     return {
         "model": str(model_dir),

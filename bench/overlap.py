@@ -10,6 +10,7 @@ one at a time on each, alternating stacks, so the ratio is measured side by side
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.e2e import STARTUP_S, png, stream_one
+from bench.e2e import STARTUP_S, Request, png, stream_one
 from common.models.tiny import ensure_tiny_model
 from services.gateway.client import GatewayClient
 from services.local_stack import start_local_stack
@@ -38,11 +39,6 @@ OFF_ENV = {
 }
 MAX_TOKENS = 4
 PROMPT = "Describe each of these pictures."
-
-
-class _Request:
-    def __init__(self, payloads: list[bytes]) -> None:
-        self.prompt, self.payloads = PROMPT, payloads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,36 +72,27 @@ def bench(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="epd-bench-overlap-") as log_dir:
         for name in ("on", "off"):
             (Path(log_dir) / name).mkdir()
-        stacks = {
-            "on": start_local_stack(
-                model_dir,
-                Path(log_dir) / "on",
-                env={**KV_ENV, **threads},
-                startup_timeout_s=STARTUP_S,
-            ),
-            "off": start_local_stack(
-                model_dir,
-                Path(log_dir) / "off",
-                env={**OFF_ENV, **threads},
-                startup_timeout_s=STARTUP_S,
-            ),
-        }
-        try:
-            clients = {name: GatewayClient(s.gateway.address) for name, s in stacks.items()}
+        with contextlib.ExitStack() as running:
+            clients = {}
+            for name, env in (("on", KV_ENV), ("off", OFF_ENV)):
+                stack = start_local_stack(
+                    model_dir,
+                    Path(log_dir) / name,
+                    env={**env, **threads},
+                    startup_timeout_s=STARTUP_S,
+                )
+                running.enter_context(stack.serving())
+                clients[name] = running.enter_context(GatewayClient(stack.gateway.address))
             seed = 10_000
             for i in range(rounds + 1):  # the first round warms up
                 order = ("on", "off") if i % 2 else ("off", "on")
                 for name in order:
                     images = [noise_image(seed + k, args.side) for k in range(args.images)]
                     seed += args.images
-                    first, _, _ = stream_one(clients[name], _Request([png(im) for im in images]))
+                    request = Request(PROMPT, images, [png(im) for im in images])
+                    first, _, _ = stream_one(clients[name], request)
                     if i:
                         ttft[name].append(first)
-            for client in clients.values():
-                client.close()
-        finally:
-            for stack in stacks.values():
-                stack.stop()
     on, off = statistics.median(ttft["on"]), statistics.median(ttft["off"])
     return {
         "model": str(model_dir),

@@ -189,7 +189,7 @@ def bench(args: argparse.Namespace) -> dict:
     failures: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory(prefix="epd-bench-tail-") as log_dir:
         stack = _start(args, model_dir, Path(log_dir))
-        try:
+        with stack.serving():
             with GatewayClient(stack.gateway.address) as client:  # warm-up; caches the repeats
                 for item in workload(len(KINDS), 999, repeated)[:-1]:
                     stream_one(client, item.request)
@@ -200,12 +200,6 @@ def bench(args: argparse.Namespace) -> dict:
                     stack.gateway.address, c, workload(counts[c], c, repeated)
                 )
                 rows += summaries
-        except BaseException:
-            for proc in stack.procs:
-                print(f"--- {proc.name} log ---\n{proc.tail()}", file=sys.stderr)
-            raise
-        finally:
-            stack.stop()
     overall = next(r for r in rows if r.kind == "all" and r.concurrency == 16)
     ratio = overall.ttft_p99_ms / overall.ttft_p50_ms if overall.ttft_p50_ms else float("inf")
     return {

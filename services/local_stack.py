@@ -21,11 +21,13 @@ registry listing and ``channel()`` present the same credentials.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -194,6 +196,19 @@ class LocalStack:
         new.wait_healthy(timeout_s)
         self.wait_registered(timeout_s)
         return new
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[LocalStack]:
+        """The stack for the ``with`` block, stopped when it ends; when the block fails, each
+        process's log tail goes to stderr first (what a failed benchmark leaves to read)."""
+        try:
+            yield self
+        except BaseException:
+            for proc in self.procs:
+                print(f"--- {proc.name} log ---\n{proc.tail()}", file=sys.stderr)
+            raise
+        finally:
+            self.stop()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to every process at once (each drains: nothing is in flight at teardown, so

@@ -117,7 +117,7 @@ def test_hub_checkpoint_serves_like_transformers(arch, size, tmp_path, capsys) -
     stack = start_local_stack(
         model_dir, log_dir, env=ENV, startup_timeout_s=STARTUP_S, stack_cls=MeasuredStack
     )
-    try:
+    with stack.serving():
         with stack.client() as client:
             replies = [
                 client.generate(
@@ -130,12 +130,6 @@ def test_hub_checkpoint_serves_like_transformers(arch, size, tmp_path, capsys) -
             ]
         stack.wait_no_leaks()
         peaks = {proc.name: peak_rss_bytes(proc.proc.pid) for proc in stack.procs}
-    except BaseException:
-        for proc in stack.procs:
-            print(f"--- {proc.name} log ---\n{proc.tail()}", file=sys.stderr)
-        raise
-    finally:
-        stack.stop()
     reference = run_child("reference", model_dir, json.dumps(REQUESTS), MAX_TOKENS)
 
     # bytes each process holds by design: fp32 weights, and each worker's fp32 transfer buffer
