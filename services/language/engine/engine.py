@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -174,24 +175,7 @@ class LanguageEngine:
         req = self.receiving.get(room)
         if req is None:  # aborted meanwhile
             return []
-        try:
-            if req.inputs is None:
-                if chunk.start != 0:
-                    raise ValueError(f"the prompt's first chunk starts at token {chunk.start}")
-                self._set_inputs(req, chunk.inputs, chunk.num_prompt_tokens)
-                self.scheduler.add(req)
-                return []
-            if chunk.start != req.num_ready_tokens:
-                raise ValueError(f"chunk at token {chunk.start}, {req.num_ready_tokens} arrived")
-            inputs = req.inputs.extended(chunk.inputs)
-            check_inputs(inputs, req.params, self.limits, req.num_prompt_tokens)
-            req.update_inputs(inputs, self.limits.vocab_size, self._image_keys(req, inputs))
-        except RequestError as exc:
-            return [self._fail(req, exc.kind, str(exc))]
-        except Exception as exc:  # inputs the checks did not foresee: this request only
-            logger.exception("request %s: a chunk of its prompt could not be taken", req.request_id)
-            return [self._fail(req, ErrorKind.FAILED, f"its prompt could not be taken: {exc}")]
-        return []
+        return self._take_prompt(req, lambda: self._take_chunk(req, chunk))
 
     def deliver_inputs(self, room: int, inputs: PromptInputs | Exception) -> list[RequestOutput]:
         """Embeddings of ``room`` arrived (or failed): move its request on."""
@@ -203,26 +187,48 @@ class LanguageEngine:
             past_deadline = req.deadline is not None and time.monotonic() >= req.deadline
             kind = ErrorKind.DEADLINE_EXCEEDED if past_deadline else ErrorKind.FAILED
             return [self._fail(req, kind, f"receiving the prompt failed: {inputs}")]
+        return self._take_prompt(req, lambda: self._take_whole(req, inputs))
+
+    def _take_prompt(self, req: Request, take: Callable[[], None]) -> list[RequestOutput]:
+        """Run ``take`` (it attaches or grows ``req``'s prompt); a failure ends ``req`` alone."""
         try:
-            if req.inputs is None:
-                self._set_inputs(req, inputs)
-                self.scheduler.add(req)
-                return []
-            # its first tokens came earlier (and may be computed): the whole prompt replaces
-            # them, after checking that it starts with them
-            arrived = req.num_ready_tokens
-            if len(inputs) != req.num_prompt_tokens or not torch.equal(
-                inputs.fill_ids[:arrived], req.inputs.fill_ids
-            ):
-                raise ValueError("the prompt differs from the chunks that arrived before it")
-            check_inputs(inputs, req.params, self.limits)
-            req.update_inputs(inputs, self.limits.vocab_size, self._image_keys(req, inputs))
+            take()
         except RequestError as exc:
             return [self._fail(req, exc.kind, str(exc))]
         except Exception as exc:  # inputs the checks did not foresee: this request only
             logger.exception("request %s: its prompt could not be taken", req.request_id)
             return [self._fail(req, ErrorKind.FAILED, f"its prompt could not be taken: {exc}")]
         return []
+
+    def _take_chunk(self, req: Request, chunk: PromptChunk) -> None:
+        if req.inputs is None:
+            if chunk.start != 0:
+                raise ValueError(f"the prompt's first chunk starts at token {chunk.start}")
+            self._set_inputs(req, chunk.inputs, chunk.num_prompt_tokens)
+            self.scheduler.add(req)
+        elif chunk.start != req.num_ready_tokens:
+            raise ValueError(f"chunk at token {chunk.start}, {req.num_ready_tokens} arrived")
+        else:
+            self._grow_inputs(req, req.inputs.extended(chunk.inputs))
+
+    def _take_whole(self, req: Request, inputs: PromptInputs) -> None:
+        if req.inputs is None:
+            self._set_inputs(req, inputs)
+            self.scheduler.add(req)
+            return
+        # its first tokens came earlier (and may be computed): the whole prompt replaces them,
+        # after checking that it starts with them
+        arrived = req.num_ready_tokens
+        if len(inputs) != req.num_prompt_tokens or not torch.equal(
+            inputs.fill_ids[:arrived], req.inputs.fill_ids
+        ):
+            raise ValueError("the prompt differs from the chunks that arrived before it")
+        self._grow_inputs(req, inputs)
+
+    def _grow_inputs(self, req: Request, inputs: PromptInputs) -> None:
+        """``inputs`` (from the prompt's first token) replace the request's shorter ones."""
+        check_inputs(inputs, req.params, self.limits, req.num_prompt_tokens)
+        req.update_inputs(inputs, self.limits.vocab_size, self._image_keys(req, inputs))
 
     def abort(self, request_id: str, error: str = "") -> RequestOutput | None:
         """Abort in any state: frees slots, locks and (via the source) transfer blocks.
