@@ -60,6 +60,11 @@ class EncodeTask:
     def is_ready(self) -> bool:
         return all(r is not None for r in self.rows)
 
+    @property
+    def has_first_rows(self) -> bool:
+        """Whether the first image is encoded (some rows can go before the rest)."""
+        return bool(self.rows) and self.rows[0] is not None
+
     def leading_rows(self) -> list[torch.Tensor]:
         """The rows of the images encoded so far from the first one on, in order."""
         out = []
@@ -194,7 +199,7 @@ class VisionBatcher:
                 self._end(task, error)
             elif task.is_ready:
                 self._end(task, None)
-            elif task.on_rows is not None and task.rows and task.rows[0] is not None:
+            elif task.on_rows is not None and task.has_first_rows:
                 try:
                     task.on_rows(task)
                 except Exception:

@@ -169,10 +169,7 @@ class RoomTable:
             return [
                 r
                 for r in live
-                if r.prompt is not None
-                and r.task is not None
-                and r.task.rows
-                and r.task.rows[0] is not None
+                if r.prompt is not None and r.task is not None and r.task.has_first_rows
             ]
 
     def shipped_rows(self, room: int, num_rows: int) -> None:
