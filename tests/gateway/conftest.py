@@ -4,6 +4,7 @@ and credentials are configured elsewhere)."""
 
 from __future__ import annotations
 
+import time
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -78,3 +79,11 @@ def gateway_factory():
     yield make
     for gateway in started:
         gateway.stop()
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    """Return once ``predicate()`` holds; fail the test when it does not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)

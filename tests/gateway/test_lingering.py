@@ -5,21 +5,13 @@ A real in-process gRPC server (the bytes-only echo) and real channels."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
 from common.channels import create_channel
 from services.gateway.lingering import LingeringChannel
 from tests.common.echo import STREAM, UNARY, serve_echo
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+from tests.gateway.conftest import wait_until
 
 
 def test_close_waits_for_the_calls_in_flight() -> None:

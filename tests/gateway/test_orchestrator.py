@@ -33,6 +33,7 @@ from services.gateway.workers import (
     generate,
     poll,
 )
+from tests.gateway.conftest import wait_until
 
 LAYOUT = common_pb2.TransferLayout(hidden_size=128, dtype="bfloat16", block_size=128)
 IMAGE = b"\x89PNG fake"  # the scripted encoder never decodes it
@@ -193,7 +194,7 @@ def test_a_busy_language_worker_is_waited_for(pools) -> None:
     assert list(reply.token_ids) == [0, 1, 2]
     rooms = [r.room for r in encoder.encoded]
     assert len(rooms) == 4 and len(set(rooms)) == 4
-    assert wait_until(lambda: sorted(room for room, _ in encoder.cancelled) == sorted(rooms[:3]))
+    wait_until(lambda: sorted(room for room, _ in encoder.cancelled) == sorted(rooms[:3]))
     assert all(w.healthy for w in gateway.registry.all())
     assert gateway.admission.num_in_flight == 0
 
@@ -211,19 +212,10 @@ def test_language_refusal_past_the_busy_wait_cancels_the_encoder_rooms(pools) ->
     assert time.monotonic() - start < 3
     assert 3 <= len(language.requests) <= 10, len(language.requests)  # backing off, no spin
     rooms = {r.room for r in encoder.encoded}
-    assert wait_until(lambda: {room for room, _ in encoder.cancelled} == rooms)
+    wait_until(lambda: {room for room, _ in encoder.cancelled} == rooms)
     assert "RESOURCE_EXHAUSTED" in encoder.cancelled[0][1]
     time.sleep(0.2)
     assert gateway.admission.num_in_flight == 0
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_language_failure_before_any_token_cancels_the_room(pools) -> None:
