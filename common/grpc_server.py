@@ -234,6 +234,7 @@ def serve_until_terminated(running: Running) -> int:
     signalled.wait()
     if running.drain is not None and running.drain_timeout_s > 0:
         deadline = time.monotonic() + running.drain_timeout_s
+        logger.info("stopping: draining for up to %.0f s", running.drain_timeout_s)
 
         def drain() -> None:
             try:

@@ -36,7 +36,7 @@ from protos.epd.v1 import registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-DEREGISTER_TIMEOUT_S = 1.0
+DEREGISTER_TIMEOUT_S = 3.0  # a loaded gateway may take a while; an unreachable one fails fast
 # host, port -> the "address:port" targets it stands for (raises OSError when it cannot tell)
 Resolver = Callable[[str, int], list[str]]
 

@@ -161,12 +161,14 @@ def drain_worker(
         server.readiness.drain()
     gateways = runtime.gateways
     runtime.leave()
+    left_s = time.monotonic() - start
     time.sleep(max(0.0, min(DEREGISTER_SETTLE_S, deadline - time.monotonic())))
     if server.gate is not None:
         server.gate.close()
         logger.info(
-            "draining: left %d gateways; %d calls in flight, up to %.0f s",
+            "draining: left %d gateways in %.2f s; %d calls in flight, up to %.0f s",
             len(gateways),
+            left_s,
             server.gate.num_in_flight,
             max(0.0, deadline - time.monotonic()),
         )

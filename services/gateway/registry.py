@@ -8,6 +8,7 @@ sight and closed when the worker is dropped, and the stubs on it, made with the 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ class Role(str, Enum):
     LANGUAGE = "language"
 
 
+logger = logging.getLogger(__name__)
 ROLES = tuple(role.value for role in Role)
 
 
@@ -105,15 +107,21 @@ class WorkerRegistry:
         load: dict[str, float],
         info: dict[str, str] | None = None,
         descriptor: dict[str, Any] | None = None,
-    ) -> None:
-        """Register or refresh a worker; a dropped worker comes back here."""
+        still_wanted: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Register or refresh a worker; a dropped worker comes back here. ``still_wanted()``
+        is asked under the lock: False (the worker gave up on this heartbeat, and may have
+        deregistered since) leaves the registry as it is and returns False."""
         with self._lock:
+            if still_wanted is not None and not still_wanted():
+                return False
             worker = self._workers.get(address)
             if worker is None or worker.role != role:
                 if worker is not None:
                     worker.channel.close()
                 worker = self._new_worker(address, role, capacity, static=False)
                 self._workers[address] = worker
+                logger.info("%s worker %s registered", role.value, address)
             worker.capacity = capacity
             worker.load = dict(load)
             if info is not None:
@@ -122,6 +130,7 @@ class WorkerRegistry:
                 worker.descriptor = dict(descriptor)
             worker.healthy = True
             worker.last_seen = self._clock()
+        return True
 
     def _new_worker(self, address: str, role: Role, capacity: int, static: bool) -> Worker:
         channel = self._channel_factory(address)
@@ -133,6 +142,7 @@ class WorkerRegistry:
             worker = self._workers.pop(address, None)
         if worker is not None:
             worker.channel.close()
+            logger.info("%s worker %s deregistered", worker.role.value, address)
         return worker is not None
 
     def mark(

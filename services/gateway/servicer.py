@@ -122,7 +122,7 @@ class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
             )
         if not request.address or ":" not in request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address must be host:port")
-        self.registry.heartbeat(
+        applied = self.registry.heartbeat(
             request.address,
             Role(request.role),
             max(request.capacity, 1),
@@ -133,7 +133,10 @@ class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
                 "max_prompt_tokens": request.max_prompt_tokens,
                 "max_seq_len": request.max_seq_len,
             },
+            still_wanted=lambda: _caller_waits(context),
         )
+        if not applied:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "heartbeat came after its deadline")
         return registry_pb2.HeartbeatResponse(interval_s=self.interval_s)
 
     def Deregister(self, request, context):  # noqa: N802
@@ -167,3 +170,11 @@ def _copy_layout(layout: common_pb2.TransferLayout) -> common_pb2.TransferLayout
     copy = common_pb2.TransferLayout()
     copy.CopyFrom(layout)
     return copy
+
+
+def _caller_waits(context: grpc.ServicerContext) -> bool:
+    """False once the caller gave up on this call (deadline passed, or cancelled). A worker
+    that leaves first waits for its last heartbeat to return or time out, then deregisters: a
+    heartbeat run after the worker stopped waiting for it must not register it again."""
+    remaining = context.time_remaining()
+    return context.is_active() and (remaining is None or remaining > 0)

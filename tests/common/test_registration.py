@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from common.channels import ChannelSecurity
@@ -20,7 +21,7 @@ from common.internal import InternalConfig
 from common.registration import Registrar, parse_gateways, resolve
 from common.tls import ClientTLS
 from common.worker import WorkerConfig
-from protos.epd.v1 import common_pb2, language_pb2
+from protos.epd.v1 import common_pb2, language_pb2, registry_pb2, registry_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer, serve
 from tests.common.pki import make_ca
@@ -171,3 +172,23 @@ def test_resolve_and_parse() -> None:
     with pytest.raises(ValueError, match="drain_timeout_s must be >= 0"):
         WorkerConfig(drain_timeout_s=-1)
     assert WorkerConfig(gateway="a:1,b:2").gateway == "a:1,b:2"
+
+
+def test_a_heartbeat_its_worker_gave_up_on_does_not_register_it(gateways) -> None:
+    """A busy gateway gets to a heartbeat only after the worker stopped waiting for it; a
+    leaving worker deregisters right then, so that heartbeat must leave the registry as it is
+    (else it would list the worker again until its expiry)."""
+    gateway = gateways()
+    request = registry_pb2.HeartbeatRequest(address=WORKER, role="language", capacity=8)
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.registry_port}") as channel:
+        stub = registry_pb2_grpc.WorkerRegistryStub(channel)
+        with gateway.registry._lock:  # the gateway is busy: the heartbeat waits for the lock
+            with pytest.raises(grpc.RpcError) as late:
+                stub.Heartbeat(request, timeout=0.3)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        seen_until = time.monotonic() + 0.5  # the late heartbeat goes on within ms of the lock
+        while time.monotonic() < seen_until:
+            assert known(gateway) == []
+            time.sleep(0.02)
+        stub.Heartbeat(request, timeout=5)  # one in time registers it
+        assert known(gateway) == [WORKER]
