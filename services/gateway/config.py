@@ -88,7 +88,7 @@ class GatewayConfig:
     )
     heartbeat_interval_s: float = field(1.0, help="how often workers should heartbeat")
     worker_expiry_s: float = field(5.0, help="drop a worker silent for this long")
-    health_poll_s: float = field(1.0, help="health/load poll period for every known worker")
+    health_poll_s: float = field(1.0, help="readiness/load poll period for every known worker")
     # -- lifecycle (drain on SIGTERM, readiness at start-up) --
     drain_timeout_s: float = field(
         50.0,

@@ -72,7 +72,7 @@ REGISTRY_THREADS = 8  # the registry's calls are all short: heartbeats, lists
 
 
 class HealthPoller:
-    """Polls each worker's grpc.health + load every ``period_s``; expires silent workers."""
+    """Polls each worker's readiness + load every ``period_s``; expires silent workers."""
 
     def __init__(self, registry: WorkerRegistry, period_s: float) -> None:
         self._registry = registry

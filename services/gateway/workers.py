@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2
 
 from common import channels
 from common.channels import ChannelSecurity
+from common.drain import READINESS
 from common.load_figures import descriptor, load_figures
 from protos.epd.v1 import common_pb2, encoder_pb2, language_pb2
 from services.gateway.registry import Role, Worker, WorkerStubs
@@ -122,11 +123,12 @@ def generate(
 
 
 def poll(worker: Worker, timeout_s: float) -> tuple[bool, dict[str, float], dict[str, str], dict]:
-    """Health plus load of one worker: (healthy, load figures, info, descriptor); see
-    ``common.load_figures``."""
+    """Readiness plus load of one worker: (healthy, load figures, info, descriptor); see
+    ``common.load_figures``. A worker alive but not ready (starting, or draining after SIGTERM)
+    is not healthy: it gets no traffic."""
     try:
         stubs = _stubs(worker)
-        check = health_pb2.HealthCheckRequest()
+        check = health_pb2.HealthCheckRequest(service=READINESS)
         reply = _start(worker, stubs.health.Check, check, timeout_s)
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             return False, {}, {}, {}

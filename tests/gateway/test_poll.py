@@ -1,0 +1,63 @@
+"""The gateway's poll of a worker asks for its readiness, not its liveness: a worker that is alive
+but starting or draining (after SIGTERM) reads as unhealthy and gets no traffic, even one from
+the static list, which never deregisters.
+
+A real gRPC server built the way the workers build theirs (``common.grpc_server``: liveness,
+readiness, drain); only its ``GetLoad`` is a stand-in, answering a fixed load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.grpc_server import Server, create_server, start_server
+from common.stream_capacity import StreamCapacity
+from protos.epd.v1 import language_pb2
+from services.gateway.registry import Role, WorkerRegistry
+from services.gateway.workers import create_channel, poll
+
+SERVICE = "epd.v1.LanguageService"
+
+
+def get_load(request: language_pb2.LanguageLoadRequest, context) -> language_pb2.LanguageLoad:
+    return language_pb2.LanguageLoad(num_running=2)
+
+
+@pytest.fixture
+def worker_server() -> Iterator[tuple[Server, str]]:
+    server = create_server("language", 4, StreamCapacity(4, who="test worker"))
+    handler = grpc.unary_unary_rpc_method_handler(
+        get_load,
+        request_deserializer=language_pb2.LanguageLoadRequest.FromString,
+        response_serializer=language_pb2.LanguageLoad.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, {"GetLoad": handler}),)
+    )
+    port, _ = start_server(server, "127.0.0.1", 0, (SERVICE,), ready=False)
+    yield server, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_a_worker_starting_or_draining_is_polled_unhealthy(worker_server) -> None:
+    server, address = worker_server
+    registry = WorkerRegistry(expiry_s=5.0, channel_factory=create_channel)
+    registry.add_static(address, Role.LANGUAGE)
+    (worker,) = registry.all()
+    try:
+        assert poll(worker, timeout_s=5.0)[0] is False  # alive, not ready yet
+        server.readiness.set(True)
+        healthy, load, _info, _descriptor = poll(worker, timeout_s=5.0)
+        assert healthy and load["running"] == 2.0
+        server.readiness.drain()
+        assert poll(worker, timeout_s=5.0)[0] is False
+        live = health_pb2_grpc.HealthStub(worker.channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+        assert live.status == health_pb2.HealthCheckResponse.SERVING  # still alive, draining
+    finally:
+        registry.close()
