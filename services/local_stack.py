@@ -204,11 +204,14 @@ class LocalStack:
         try:
             yield self
         except BaseException:
-            for proc in self.procs:
-                print(f"--- {proc.name} log ---\n{proc.tail()}", file=sys.stderr)
+            print(self.log_tails(), file=sys.stderr)
             raise
         finally:
             self.stop()
+
+    def log_tails(self) -> str:
+        """The last lines of each process's log, under its name."""
+        return "\n".join(f"--- {proc.name} log ---\n{proc.tail()}" for proc in self.procs)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to every process at once (each drains: nothing is in flight at teardown, so

@@ -120,10 +120,23 @@ def start_stack(
     )
 
 
+STACKS = pytest.StashKey[list["Stack"]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test's report carries the log tails of the stacks it started (what CI shows)."""
+    report = yield
+    if report.when == "call" and report.failed:
+        for stack in item.stash.get(STACKS, []):
+            report.sections.append(("stack log tails", stack.log_tails()))
+    return report
+
+
 @pytest.fixture
-def stack_factory(tmp_path: Path):
+def stack_factory(tmp_path: Path, request: pytest.FixtureRequest):
     """``stack_factory(model_dir, **kw)`` starts a stack that is stopped after the test."""
-    stacks: list[Stack] = []
+    stacks = request.node.stash.setdefault(STACKS, [])
 
     def make(model_dir: Path, **kwargs) -> Stack:
         stack = start_stack(model_dir, tmp_path, **kwargs)
