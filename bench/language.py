@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bench.local_encode import local_encode
 from common.models.hf_reference import HFReference
 from common.models.tiny import ensure_tiny_model
 from services.language.config import LanguageConfig
 from services.language.engine.engine import LanguageEngine
 from services.language.engine.sampling import SamplingParams
 from services.language.inputs import PromptInputs
-from services.language.testing import local_encode
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from common.transfer.bench import BenchParams, measure
+from bench.transfer_protocol import BenchParams, measure
 
 REPEATS = 30
 ROUND_TRIPS = 200

@@ -1,6 +1,6 @@
 """Transfer-plane benchmark table for ``make bench``: time vs tokens, protocol vs raw.
 
-``main()`` runs ``common.transfer.bench.measure`` for 128..16384 tokens (hidden 3584, bf16,
+``main()`` runs ``bench.transfer_protocol.measure`` for 128..16384 tokens (hidden 3584, bf16,
 all tokens image tokens) plus the three goal scenarios and four concurrent rooms, then the bytes
 on the wire per image in bf16 and fp32 for the real models' row widths (``bench.wire_bytes``),
 and prints the tables; then the fixed cost of one room (``bench.room_cost``): a 1-token room
@@ -15,7 +15,7 @@ import sys
 os.environ.setdefault("GLOG_minloglevel", "2")
 
 from bench import room_cost, wire_bytes  # noqa: E402
-from common.transfer.bench import BenchParams, format_table, is_clean, measure  # noqa: E402
+from bench.transfer_protocol import BenchParams, format_table, is_clean, measure  # noqa: E402
 
 TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 GOAL_REPEATS = 15

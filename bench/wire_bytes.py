@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bench.transfer_protocol import BenchParams, is_clean, measure
 from common.models.hub_config import HUB_SPECS, preprocessor_config
 from common.models.tiny import image_processor_config
-from common.transfer.bench import BenchParams, is_clean, measure
 from services.encoder.resize import smart_resize
 
 IMAGE_SIDES = (448, 1344)

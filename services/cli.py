@@ -14,7 +14,7 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "transfer-bench": ("common.transfer.bench", "benchmark the embedding transfer protocol"),
+    "transfer-bench": ("bench.transfer_protocol", "benchmark the embedding transfer protocol"),
     "make-tiny-model": ("common.models.tiny", "write a random-weight Qwen-VL checkpoint"),
     "serve": ("services.serve", "serve one role: encoder | language | gateway"),
     "run": ("services.launcher", "start the whole stack on 127.0.0.1 and send a demo request"),

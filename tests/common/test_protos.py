@@ -11,6 +11,6 @@ def test_generated_code_is_fresh() -> None:
 
 
 def test_configuration_reference_is_fresh() -> None:
-    from common import config_doc
+    from services import config_doc
 
-    assert config_doc.main(["--check"]) == 0, "run `python -m common.config_doc`"
+    assert config_doc.main(["--check"]) == 0, "run `python -m services.config_doc`"

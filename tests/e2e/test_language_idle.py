@@ -1,7 +1,7 @@
 """A language worker whose request waits for its room costs no CPU, and keeps its deadline.
 
 Real processes: the worker is ``epd serve language`` started like a pod; the room's encoder is a
-real transfer sender (``common.transfer.peer.Peer``) in its own process that takes the
+real transfer sender (``bench.peer.Peer``) in its own process that takes the
 worker's init and never submits the data, so the room waits in WAITING_FOR_INPUT, heartbeats
 flowing both ways.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from bench.peer import Peer
 from common.procs import ServiceProcess, free_port
 from common.transfer.config import TransferConfig
 from common.transfer.layout import layout_for
-from common.transfer.peer import Peer
 from common.transfer.types import RoomState
 from protos.epd.v1 import common_pb2, language_pb2, language_pb2_grpc
 from services.language.model.config import TextModelConfig

@@ -1,6 +1,6 @@
 """Builders for the language tests: cases with transformers' expected tokens, engines, runs.
 
-Prompts come from ``services/language/testing.local_encode`` (the encoder's part played
+Prompts come from ``bench/local_encode.local_encode`` (the encoder's part played
 in-process with transformers' own vision tower), so engine tests need no encoder process.
 """
 
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bench.local_encode import local_encode
 from common.models.hf_reference import HFReference, ReferenceInputs
 from services.language.config import LanguageConfig
 from services.language.engine.engine import LanguageEngine
 from services.language.engine.request import RequestOutput
 from services.language.engine.sampling import SamplingParams
 from services.language.inputs import PromptInputs
-from services.language.testing import local_encode
 
 
 def make_image(width: int, height: int, seed: int) -> Image.Image:

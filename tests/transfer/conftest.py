@@ -15,9 +15,9 @@ import pytest
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 
+from bench.peer import Peer  # noqa: E402
 from common.transfer.config import TransferConfig  # noqa: E402
 from common.transfer.layout import BufferLayout, layout_for  # noqa: E402
-from common.transfer.peer import Peer  # noqa: E402
 from common.transfer.receiver import EmbeddingReceiver  # noqa: E402
 
 HIDDEN = 64

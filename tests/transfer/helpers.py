@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from common.transfer.peer import Peer
+from bench.peer import Peer
+from bench.synthetic import RequestSpec, make_request, matches
 from common.transfer.receiver import EmbeddingReceiver
-from common.transfer.synthetic import RequestSpec, make_request, matches
 from common.transfer.types import ReceivedEmbeddings, RoomState, TransferError
 
 

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from bench.peer import Peer
+from bench.synthetic import make_request, matches
 from common.transfer.auth import FrameAuth, ReplayGuard, load_secret
 from common.transfer.config import TransferConfig
-from common.transfer.peer import Peer
-from common.transfer.synthetic import make_request, matches
 from common.transfer.types import FailureKind, ReceivedEmbeddings, RoomState, TransferError
 from protos.epd.v1 import transfer_pb2
 

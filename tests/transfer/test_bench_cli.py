@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.transfer.bench import JSON_KEYS
+from bench.transfer_protocol import JSON_KEYS
 
 
 def _epd() -> list[str]:

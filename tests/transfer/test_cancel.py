@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from bench.synthetic import make_request
 from common.transfer.receiver import EmbeddingReceiver
 from common.transfer.sender import EmbeddingSender
-from common.transfer.synthetic import make_request
 from common.transfer.types import FailureKind, RoomState, TransferError
 from protos.epd.v1 import transfer_pb2
 

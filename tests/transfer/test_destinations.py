@@ -14,11 +14,11 @@ import uuid
 import pytest
 import torch
 
+from bench.peer import Peer
 from common.transfer.chunks import layout_fields
 from common.transfer.control import MAX_INIT_BLOCKS
 from common.transfer.destinations import check_init, region_sizes
 from common.transfer.layout import BufferLayout
-from common.transfer.peer import Peer
 from common.transfer.regions import SHM_DIR, allocate_region, map_peer_region, valid_shm_name
 from common.transfer.transport import host_id
 from common.transfer.types import FailureKind, RoomState

@@ -6,10 +6,10 @@ import time
 
 import zmq
 
+from bench.peer import Peer
+from bench.synthetic import make_request
 from common.transfer import messages
-from common.transfer.peer import Peer
 from common.transfer.sender import EmbeddingSender
-from common.transfer.synthetic import make_request
 from common.transfer.types import ReceivedEmbeddings, RoomState, TransferError
 from protos.epd.v1 import transfer_pb2
 

@@ -26,9 +26,9 @@ from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.peer import Peer
 from common.transfer import messages
 from common.transfer.control import MAX_INIT_BLOCKS
-from common.transfer.peer import Peer
 from common.transfer.types import ReceivedEmbeddings
 from protos.epd.v1 import transfer_pb2
 

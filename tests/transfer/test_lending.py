@@ -5,7 +5,7 @@ Real Mooncake over tcp, sender in another process; every byte is checked before 
 
 from __future__ import annotations
 
-from common.transfer.synthetic import make_request, matches
+from bench.synthetic import make_request, matches
 from common.transfer.types import ReceivedEmbeddings
 
 from .conftest import assert_no_leaks, new_room

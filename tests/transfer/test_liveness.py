@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from common.transfer.peer import Peer
-from common.transfer.synthetic import make_request, matches
+from bench.peer import Peer
+from bench.synthetic import make_request, matches
 from common.transfer.types import FailureKind, ReceivedEmbeddings, RoomState, TransferError
 
 from .conftest import assert_no_leaks, layout_of, make_config, new_room, wait_for

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
-from common.transfer.peer import Peer
-from common.transfer.synthetic import make_request, matches
+from bench.peer import Peer
+from bench.synthetic import make_request, matches
 from common.transfer.types import ReceivedChunk, ReceivedEmbeddings, TransferError
 
 from .conftest import assert_no_leaks, layout_of, make_config, new_room, wait_for

@@ -96,7 +96,7 @@ def test_many_concurrent_rooms_mixing_sizes(sender, make_receiver) -> None:
 
 
 def test_deepstack_rows(make_receiver) -> None:
-    from common.transfer.peer import Peer
+    from bench.peer import Peer
 
     from .conftest import layout_of, make_config
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from common.transfer.peer import Peer
+from bench.peer import Peer
 from common.transfer.receiver import EmbeddingReceiver
 from common.transfer.regions import SHM_DIR, SHM_PREFIX, allocate_region
 from common.transfer.types import TransferError

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import threading
 
+from bench.synthetic import make_request, matches
 from common.transfer.receiver import EmbeddingReceiver
 from common.transfer.sender import EmbeddingSender
-from common.transfer.synthetic import make_request, matches
 from common.transfer.types import ReceivedEmbeddings, RoomState, TransferError
 
 from .conftest import layout_of, make_config, new_room, wait_for

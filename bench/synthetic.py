@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .layout import BufferLayout
-from .types import AuxInfo, ReceivedEmbeddings
+from common.transfer.layout import BufferLayout
+from common.transfer.types import AuxInfo, ReceivedEmbeddings
 
 
 @dataclass(frozen=True)

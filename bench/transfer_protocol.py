@@ -16,12 +16,12 @@ import os
 import statistics
 from dataclasses import dataclass
 
-from .aux_record import AUX_RECORD_BYTES
-from .config import TransferConfig
-from .layout import BufferLayout, parse_dtype
-from .peer import Peer
-from .shm_transport import ShmTransport
-from .synthetic import RequestSpec
+from bench.peer import Peer
+from bench.synthetic import RequestSpec
+from common.transfer.aux_record import AUX_RECORD_BYTES
+from common.transfer.config import TransferConfig
+from common.transfer.layout import BufferLayout, parse_dtype
+from common.transfer.shm_transport import ShmTransport
 
 JSON_KEYS = (
     "tokens",

@@ -52,7 +52,7 @@ def render() -> str:
         "# Configuration reference",
         "",
         "Every setting is a flag and an environment variable (the flag wins). Generated from the",
-        "config dataclasses by `python -m common.config_doc`; do not edit by hand.",
+        "config dataclasses by `python -m services.config_doc`; do not edit by hand.",
         "",
     ]
     for title, cls, env_prefix, flag_prefix in _sections():
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render()
     if args.check:
         if not DOC.exists() or DOC.read_text() != text:
-            print(f"{DOC} is stale: run python -m common.config_doc")
+            print(f"{DOC} is stale: run python -m services.config_doc")
             return 1
         return 0
     DOC.parent.mkdir(exist_ok=True)

@@ -18,17 +18,16 @@ from typing import Any
 
 import torch
 
+from bench.synthetic import RequestSpec, make_request, matches
 from common.procs import runtime_env
-
-from .config import TransferConfig
-from .layout import BufferLayout
-from .synthetic import RequestSpec, make_request, matches
+from common.transfer.config import TransferConfig
+from common.transfer.layout import BufferLayout
 
 
 def _serve(conn: Connection, role: str, config: TransferConfig, layout: BufferLayout) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
-    from .receiver import EmbeddingReceiver
-    from .sender import EmbeddingSender
+    from common.transfer.receiver import EmbeddingReceiver
+    from common.transfer.sender import EmbeddingSender
 
     side = (EmbeddingSender if role == "sender" else EmbeddingReceiver)(config, layout)
     handler = _Handler(side)
