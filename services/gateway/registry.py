@@ -27,6 +27,7 @@ class Role(str, Enum):
 
 
 logger = logging.getLogger(__name__)
+MAX_UNANSWERED_POLLS = 3  # a static worker that answers none of these is unhealthy
 ROLES = tuple(role.value for role in Role)
 
 
@@ -67,6 +68,7 @@ class Worker:
     stubs: WorkerStubs | None = None  # made with the channel (``create_stubs``)
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True
+    num_unanswered_polls: int = 0  # polls in a row it did not answer in time
     in_flight: int = 0
     load: dict[str, float] = field(default_factory=dict)
     info: dict[str, str] = field(default_factory=dict)  # e.g. an encoder's transfer endpoint
@@ -148,16 +150,25 @@ class WorkerRegistry:
     def mark(
         self,
         address: str,
-        healthy: bool,
+        healthy: bool | None,
         load: dict[str, float] | None = None,
         info: dict[str, str] | None = None,
         descriptor: dict[str, Any] | None = None,
     ) -> None:
-        """Record a health/load poll of a worker."""
+        """Record a readiness/load poll of a worker. ``healthy`` None: no answer in time. That
+        changes nothing for a self-registered worker (its heartbeats say whether it lives, and
+        it expires when they stop); a static one turns unhealthy after
+        ``MAX_UNANSWERED_POLLS`` such polls in a row."""
         with self._lock:
             worker = self._workers.get(address)
             if worker is None:
                 return
+            if healthy is None:
+                worker.num_unanswered_polls += 1
+                if worker.static and worker.num_unanswered_polls >= MAX_UNANSWERED_POLLS:
+                    worker.healthy = False
+                return
+            worker.num_unanswered_polls = 0
             worker.healthy = healthy
             if healthy:
                 worker.last_seen = self._clock()

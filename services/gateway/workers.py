@@ -122,10 +122,13 @@ def generate(
     return _start(worker, _stubs(worker).service.Generate, request, timeout_s)
 
 
-def poll(worker: Worker, timeout_s: float) -> tuple[bool, dict[str, float], dict[str, str], dict]:
+def poll(
+    worker: Worker, timeout_s: float
+) -> tuple[bool | None, dict[str, float], dict[str, str], dict]:
     """Readiness plus load of one worker: (healthy, load figures, info, descriptor); see
     ``common.load_figures``. A worker alive but not ready (starting, or draining after SIGTERM)
-    is not healthy: it gets no traffic."""
+    is not healthy: it gets no traffic. ``healthy`` is None when the worker did not answer
+    within ``timeout_s``: a busy worker is slow, not known to be gone."""
     try:
         stubs = _stubs(worker)
         check = health_pb2.HealthCheckRequest(service=READINESS)
@@ -140,5 +143,6 @@ def poll(worker: Worker, timeout_s: float) -> tuple[bool, dict[str, float], dict
             load = _start(worker, stubs.service.GetLoad, request, timeout_s)
             info = {}
         return True, load_figures(load), info, descriptor(load)
-    except grpc.RpcError:
-        return False, {}, {}, {}
+    except grpc.RpcError as exc:
+        slow = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        return None if slow else False, {}, {}, {}

@@ -1,13 +1,18 @@
 """The gateway's poll of a worker asks for its readiness, not its liveness: a worker that is alive
 but starting or draining (after SIGTERM) reads as unhealthy and gets no traffic, even one from
-the static list, which never deregisters.
+the static list, which never deregisters. A poll the worker does not answer in time (it is
+busy) does not take a self-registered worker out of routing; a static one goes after
+``MAX_UNANSWERED_POLLS`` in a row.
 
 A real gRPC server built the way the workers build theirs (``common.grpc_server``: liveness,
-readiness, drain); only its ``GetLoad`` is a stand-in, answering a fixed load.
+readiness, drain); only its ``GetLoad`` is a stand-in, answering a fixed load (late while
+``SLOW`` is set).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -17,13 +22,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.grpc_server import Server, create_server, start_server
 from common.stream_capacity import StreamCapacity
 from protos.epd.v1 import language_pb2
-from services.gateway.registry import Role, WorkerRegistry
+from services.gateway.registry import MAX_UNANSWERED_POLLS, Role, WorkerRegistry
 from services.gateway.workers import create_channel, poll
 
 SERVICE = "epd.v1.LanguageService"
+SLOW = threading.Event()
+POLL_S = 0.2
 
 
 def get_load(request: language_pb2.LanguageLoadRequest, context) -> language_pb2.LanguageLoad:
+    if SLOW.is_set():
+        time.sleep(2 * POLL_S)  # answered only after the poll gave up
     return language_pb2.LanguageLoad(num_running=2)
 
 
@@ -61,3 +70,25 @@ def test_a_worker_starting_or_draining_is_polled_unhealthy(worker_server) -> Non
         assert live.status == health_pb2.HealthCheckResponse.SERVING  # still alive, draining
     finally:
         registry.close()
+
+
+def test_a_busy_worker_that_answers_late_stays_in_routing_unless_static(worker_server) -> None:
+    server, address = worker_server
+    server.readiness.set(True)
+    registry = WorkerRegistry(expiry_s=5.0, channel_factory=create_channel)
+    registry.add_static(address, Role.LANGUAGE)
+    registry.heartbeat("127.0.0.1:9", Role.LANGUAGE, 8, {})  # a self-registered one
+    static, registered = sorted(registry.all(), key=lambda w: not w.static)
+    SLOW.set()
+    try:
+        assert poll(static, timeout_s=POLL_S)[0] is None  # late: not known to be gone
+        for n in range(1, MAX_UNANSWERED_POLLS + 1):
+            registry.mark(static.address, None)
+            registry.mark(registered.address, None)
+            assert static.healthy is (n < MAX_UNANSWERED_POLLS)
+            assert registered.healthy
+    finally:
+        SLOW.clear()
+    registry.mark(static.address, poll(static, timeout_s=5.0)[0])
+    assert static.healthy and static.num_unanswered_polls == 0
+    registry.close()
