@@ -155,17 +155,21 @@ class WorkerRegistry:
         info: dict[str, str] | None = None,
         descriptor: dict[str, Any] | None = None,
     ) -> None:
-        """Record a readiness/load poll of a worker. ``healthy`` None: no answer in time. That
-        changes nothing for a self-registered worker (its heartbeats say whether it lives, and
-        it expires when they stop); a static one turns unhealthy after
-        ``MAX_UNANSWERED_POLLS`` such polls in a row."""
+        """Record a readiness/load poll of a worker. ``healthy`` None: no answer in time, which
+        a busy worker may also give. A self-registered worker then turns unhealthy only when
+        its heartbeats stopped too (none for half its expiry: hung, not busy); a static one
+        after ``MAX_UNANSWERED_POLLS`` such polls in a row."""
         with self._lock:
             worker = self._workers.get(address)
             if worker is None:
                 return
             if healthy is None:
                 worker.num_unanswered_polls += 1
-                if worker.static and worker.num_unanswered_polls >= MAX_UNANSWERED_POLLS:
+                if worker.static:
+                    gone = worker.num_unanswered_polls >= MAX_UNANSWERED_POLLS
+                else:
+                    gone = self._clock() - worker.last_seen > self._expiry_s / 2
+                if gone:
                     worker.healthy = False
                 return
             worker.num_unanswered_polls = 0

@@ -1,8 +1,8 @@
 """The gateway's poll of a worker asks for its readiness, not its liveness: a worker that is alive
 but starting or draining (after SIGTERM) reads as unhealthy and gets no traffic, even one from
-the static list, which never deregisters. A poll the worker does not answer in time (it is
-busy) does not take a self-registered worker out of routing; a static one goes after
-``MAX_UNANSWERED_POLLS`` in a row.
+the static list, which never deregisters. A poll the worker does not answer in time (it may be
+busy) takes a self-registered worker out of routing only when its heartbeats stopped too; a
+static one goes after ``MAX_UNANSWERED_POLLS`` in a row.
 
 A real gRPC server built the way the workers build theirs (``common.grpc_server``: liveness,
 readiness, drain); only its ``GetLoad`` is a stand-in, answering a fixed load (late while
@@ -72,23 +72,31 @@ def test_a_worker_starting_or_draining_is_polled_unhealthy(worker_server) -> Non
         registry.close()
 
 
-def test_a_busy_worker_that_answers_late_stays_in_routing_unless_static(worker_server) -> None:
+def test_a_busy_worker_that_answers_late_stays_in_routing_while_it_heartbeats(
+    worker_server,
+) -> None:
     server, address = worker_server
     server.readiness.set(True)
-    registry = WorkerRegistry(expiry_s=5.0, channel_factory=create_channel)
+    now = [0.0]
+    registry = WorkerRegistry(expiry_s=4.0, channel_factory=create_channel, clock=lambda: now[0])
     registry.add_static(address, Role.LANGUAGE)
     registry.heartbeat("127.0.0.1:9", Role.LANGUAGE, 8, {})  # a self-registered one
     static, registered = sorted(registry.all(), key=lambda w: not w.static)
     SLOW.set()
     try:
         assert poll(static, timeout_s=POLL_S)[0] is None  # late: not known to be gone
-        for n in range(1, MAX_UNANSWERED_POLLS + 1):
-            registry.mark(static.address, None)
-            registry.mark(registered.address, None)
-            assert static.healthy is (n < MAX_UNANSWERED_POLLS)
-            assert registered.healthy
     finally:
         SLOW.clear()
+    for n in range(1, MAX_UNANSWERED_POLLS + 1):
+        now[0] += 0.5
+        registry.heartbeat(registered.address, Role.LANGUAGE, 8, {})  # busy, not hung
+        registry.mark(static.address, None)
+        registry.mark(registered.address, None)
+        assert static.healthy is (n < MAX_UNANSWERED_POLLS)
+        assert registered.healthy
+    now[0] += 2.5  # no heartbeat for more than half its expiry: hung, not busy
+    registry.mark(registered.address, None)
+    assert not registered.healthy
     registry.mark(static.address, poll(static, timeout_s=5.0)[0])
     assert static.healthy and static.num_unanswered_polls == 0
     registry.close()
