@@ -111,13 +111,14 @@ class WorkerRegistry:
         descriptor: dict[str, Any] | None = None,
         still_wanted: Callable[[], bool] | None = None,
     ) -> bool:
-        """Register or refresh a worker; a dropped worker comes back here. ``still_wanted()``
-        is asked under the lock: False (the worker gave up on this heartbeat, and may have
-        deregistered since) leaves the registry as it is and returns False."""
+        """Register or refresh a worker; a dropped worker comes back here. Before registering
+        one, ``still_wanted()`` is asked under the lock: False (the worker gave up on this
+        heartbeat, and may have deregistered since) leaves the registry as it is and returns
+        False. A late heartbeat of a worker still registered refreshes it as any other."""
         with self._lock:
-            if still_wanted is not None and not still_wanted():
-                return False
             worker = self._workers.get(address)
+            if worker is None and still_wanted is not None and not still_wanted():
+                return False
             if worker is None or worker.role != role:
                 if worker is not None:
                     worker.channel.close()

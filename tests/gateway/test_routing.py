@@ -104,3 +104,19 @@ def test_cache_aware_follows_longest_prefix() -> None:
     other = RoutingKey(prefix_hashes=(7,))
     reg.acquire(first)
     assert policy.order(workers, other)[0] is not first  # no match: least load
+
+
+def test_a_late_heartbeat_refreshes_a_registered_worker_but_registers_none() -> None:
+    """A heartbeat its worker gave up on (``still_wanted`` False) cannot bring back a worker
+    that deregistered meanwhile, but still refreshes one that is registered (a slow gateway
+    must not let its workers expire)."""
+    reg = WorkerRegistry(5.0, FakeChannel, Clock(), stub_factory=no_stubs)
+
+    def gone() -> bool:
+        return False
+
+    assert not reg.heartbeat("w0:1", Role.ENCODER, 8, {}, still_wanted=gone)
+    assert reg.all() == []
+    reg.heartbeat("w0:1", Role.ENCODER, 8, {"queue": 1.0})
+    assert reg.heartbeat("w0:1", Role.ENCODER, 8, {"queue": 3.0}, still_wanted=gone)
+    assert [w.load for w in reg.all()] == [{"queue": 3.0}]
