@@ -12,7 +12,8 @@ speak neither TLS nor bearer tokens), which stops with the main one. Health answ
 
 ``serve_until_terminated`` is the main thread of ``epd serve ROLE``: the first SIGTERM/SIGINT
 starts the role's drain (``Running.drain``, bounded by ``Running.drain_timeout_s``) and stops
-once it is over; a second signal stops at once.
+once it is over; a second signal stops at once. It waits through ``common.signals``, so a
+signal taken by any thread of the process counts.
 
 Ports are exclusive (``grpc.so_reuseport`` off): a busy port is an ``OSError`` naming it.
 """
@@ -20,7 +21,6 @@ Ports are exclusive (``grpc.so_reuseport`` off): a busy port is an ``OSError`` n
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.auth import BearerAuthInterceptor
 from common.drain import DrainGate, Readiness
+from common.signals import TerminationSignals
 from common.stream_capacity import StreamCapacity, StreamCapacityInterceptor
 from common.tls import ServerTLS
 
@@ -219,32 +220,24 @@ class Running:
 def serve_until_terminated(running: Running) -> int:
     """The main thread of ``epd serve ROLE``: announce, block until SIGINT/SIGTERM, drain (up to
     ``running.drain_timeout_s``; a second signal cuts it short), stop."""
-    print(running.banner, flush=True)
-    signalled = threading.Event()
-    proceed = threading.Event()  # the drain is over, or a second signal came
+    with TerminationSignals() as signals:
+        print(running.banner, flush=True)
+        signals.next()  # nothing wakes it before a drain starts: a signal
+        if running.drain is not None and running.drain_timeout_s > 0:
+            deadline = time.monotonic() + running.drain_timeout_s
+            logger.info("stopping: draining for up to %.0f s", running.drain_timeout_s)
 
-    def on_signal(signum: int, _frame: object) -> None:
-        if signalled.is_set():
-            logger.warning("%s again: stopping now", signal.Signals(signum).name)
-            proceed.set()
-        signalled.set()
+            def drain() -> None:
+                try:
+                    running.drain(deadline)
+                except Exception:  # the stop below still runs
+                    logger.exception("drain failed")
+                finally:
+                    signals.wake()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    signalled.wait()
-    if running.drain is not None and running.drain_timeout_s > 0:
-        deadline = time.monotonic() + running.drain_timeout_s
-        logger.info("stopping: draining for up to %.0f s", running.drain_timeout_s)
-
-        def drain() -> None:
-            try:
-                running.drain(deadline)
-            except Exception:  # the stop below still runs
-                logger.exception("drain failed")
-            finally:
-                proceed.set()
-
-        threading.Thread(target=drain, name="drain", daemon=True).start()
-        proceed.wait()
-    running.stop()
+            threading.Thread(target=drain, name="drain", daemon=True).start()
+            again = signals.next()  # the drain ended (None), or a second signal came
+            if again is not None:
+                logger.warning("%s again: stopping now", again.name)
+        running.stop()
     return 0

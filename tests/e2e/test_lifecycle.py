@@ -6,6 +6,7 @@ starts them.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.procs import free_port
+from common.procs import ServiceProcess, free_port
 from tests.e2e.test_run import _read_until, _services_of
 
 
@@ -92,6 +93,31 @@ def test_two_gateways_cannot_share_a_port(tmp_path: Path) -> None:
     finally:
         first.terminate()
         first.wait(20)
+
+
+def _tgkill(pid: int, tid: int, sig: int) -> None:
+    """Send ``sig`` to one thread (``tid``) of process ``pid``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, tid, int(sig)) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid})")
+
+
+def test_a_sigterm_taken_by_any_thread_drains_and_exits(tmp_path: Path) -> None:
+    """The kernel may hand a process's SIGTERM to any of its threads; Python runs the handler
+    in the main thread only. A gateway whose gRPC thread took it must still drain and exit."""
+    port = free_port()
+    args = ["serve", "gateway", "--port", str(port), "--registry-port", "0",
+            "--drain-timeout-s", "30"]  # fmt: skip
+    gateway = ServiceProcess("gateway", args, f"127.0.0.1:{port}", tmp_path)
+    try:
+        gateway.wait_healthy(60)
+        threads = sorted(int(t) for t in os.listdir(f"/proc/{gateway.proc.pid}/task"))
+        assert len(threads) > 1, threads
+        _tgkill(gateway.proc.pid, threads[-1], signal.SIGTERM)  # not the main thread (tid pid)
+        assert gateway.proc.wait(30) == 0, gateway.tail()
+        assert "drained in" in gateway.log_path.read_text(), gateway.tail()
+    finally:
+        gateway.stop()
 
 
 def test_a_failed_demo_is_one_line(tiny_model_dir, tmp_path: Path) -> None:
