@@ -267,6 +267,11 @@ class RetryingStream:
         if cancelled:
             call.cancel()
 
+    @property
+    def tried(self) -> list[str]:
+        """The gateways this stream was sent to, in order; the last one is serving it."""
+        return [self._client.addresses[i] for i in self._order[: self._attempt + 1]]
+
     def __iter__(self) -> Iterator[gateway_pb2.GenerateChunk]:
         return self
 

@@ -34,7 +34,8 @@ STREAM = {"max_tokens": 120, "ignore_eos": True}
 class Timed:
     """One streamed request: when each chunk came, and how it ended."""
 
-    chunk_times: list[float] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # when the client read each one
+    tried: list[str] = field(default_factory=list)  # the gateways it was sent to, in order
     chunks: list = field(default_factory=list)  # gateway_pb2.GenerateChunk
     code: grpc.StatusCode = grpc.StatusCode.OK
     details: str = ""
@@ -46,13 +47,15 @@ def timed_stream(
     client: GatewayClient, prompt: str, images: list[bytes], out: Timed, **sampling: object
 ) -> Timed:
     """Stream one request into ``out`` (``STREAM`` sampling unless given)."""
+    stream = client.generate_stream(prompt, images, timeout=120, **(sampling or STREAM))
     try:
-        for chunk in client.generate_stream(prompt, images, timeout=120, **(sampling or STREAM)):
+        for chunk in stream:
             out.chunk_times.append(time.monotonic())
             out.chunks.append(chunk)
             out.finish_reason = chunk.finish_reason or out.finish_reason
     except grpc.RpcError as exc:
         out.code, out.details = exc.code(), exc.details() or ""
+    out.tried = stream.tried
     return out
 
 
@@ -95,7 +98,6 @@ def test_sigkill_a_gateway_under_load(tiny_model_dir, stack_factory) -> None:
         streaming = send(both, 8, "A")  # tokens flowing through a when it dies
         wait_for(lambda: sum(bool(o.chunk_times) for o in streaming) >= 4, 60, "a streaming")
         late = send(both, 8, "late", big=True)  # fresh 448x448 images: no token for a while
-        killed_at = time.monotonic()
         a.kill(signal.SIGKILL)
         outcomes = {"on_b": on_b, "streaming": streaming, "late": late}
         for outs in outcomes.values():
@@ -106,12 +108,14 @@ def test_sigkill_a_gateway_under_load(tiny_model_dir, stack_factory) -> None:
         for out in outs:
             if out.code != grpc.StatusCode.OK:
                 # only a request whose tokens had started to flow through a may fail
-                assert out.chunk_times and out.chunk_times[0] < killed_at, (name, out.details)
+                # NOTE: not judged by when the client read its chunks: on a busy machine it
+                # reads tokens that a sent before dying after the kill
+                assert out.chunks and out.tried == [a.address], (name, out.tried, out.details)
                 assert out.code == grpc.StatusCode.UNAVAILABLE, (name, out.code, out.details)
             else:
                 assert out.finish_reason == common_pb2.FINISH_REASON_LENGTH, name
     assert all(out.code == grpc.StatusCode.OK for out in on_b)
-    moved = [o for o in late if o.code == grpc.StatusCode.OK and o.chunk_times[0] > killed_at]
+    moved = [o for o in late if o.code == grpc.StatusCode.OK and o.tried == [a.address, b.address]]
     assert moved, "no request that had not started was sent again to the other gateway"
 
     # b still lists every worker, healthy; the workers hold nothing for a's requests
