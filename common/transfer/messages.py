@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 TRANSFER_PROTOCOL_VERSION = 1  # major: bumped only on incompatible changes
 # 1: TransferStatus.write_s; 2: TransferInit.dest_token_offset; 3: authenticated frames
 # (incarnation, seq, sent_at_ms, to_endpoint, mac), error kinds, init acknowledgements;
-# 4: partial chunks (TransferInit.accepts_partial, TransferStatus.partial, mid-room acks)
-TRANSFER_PROTOCOL_MINOR = 4
+# 4: partial chunks (TransferInit.accepts_partial, TransferStatus.partial, mid-room acks);
+# 5: TransferClaim (a receiver short of blocks claims its room; unclaimed rooms time out)
+TRANSFER_PROTOCOL_MINOR = 5
 MINOR_DEST_OFFSETS = 2  # a sender of at least this minor honours TransferInit.dest_token_offset
 MINOR_ACKS = 3  # a sender of at least this minor acknowledges an init that waits for data
 MINOR_PARTIAL = 4  # a sender of at least this minor may fill one init in several chunks

@@ -2,7 +2,8 @@
 
 Room flow (receiver view)::
 
-    add_room -> BOOTSTRAPPING (queued until default_tokens of blocks are free)
+    add_room -> BOOTSTRAPPING (queued until default_tokens of blocks are free; the room is
+                              claimed meanwhile, so the sender holds it for us)
              -> WAITING_FOR_INPUT (init sent with sent_tokens = 0; the sender acknowledges it
                               while the encoder still works on the room)
              -> TRANSFERRING (a chunk landed, more remains: either extend the room's blocks to
@@ -101,6 +102,8 @@ class EmbeddingReceiver(ReceiverChunks):
             self._rooms[room] = state
             self._new_queue.append(room)
             self._schedule()
+            if not state.known_to_sender:  # queued for blocks: tell the sender it is wanted
+                self._send_claim(state)
         self._wake()
 
     def poll(self, room: int) -> RoomState:
@@ -209,13 +212,23 @@ class EmbeddingReceiver(ReceiverChunks):
         msg.init.sent_tokens = sent
         msg.init.dest_token_offset = in_place
         msg.init.accepts_partial = True
-        state.awaiting_write = state.init_sent = True
+        state.awaiting_write = state.known_to_sender = True
         self.peers.watch(state.sender_endpoint, now)
         if state.state == RoomState.BOOTSTRAPPING:
             state.move(RoomState.WAITING_FOR_INPUT)
             state.deadline = now + self.config.bootstrap_timeout_s + self.config.transfer_timeout_s
         else:
             state.deadline = now + self.config.transfer_timeout_s + self.config.heartbeat_timeout_s
+        self._send(state.sender_endpoint, msg)
+
+    def _send_claim(self, state: ReceiverRoom) -> None:
+        """Claim a room whose init must wait for our blocks: the sender holds it for us as
+        long as we live (heartbeats) instead of ``bootstrap_timeout_s``. Minor 5; an older
+        sender ignores it."""
+        msg = self._envelope()
+        msg.claim.room = state.room
+        state.known_to_sender = True
+        self.peers.watch(state.sender_endpoint, time.monotonic())
         self._send(state.sender_endpoint, msg)
 
     def _waiting_bound(self, state: ReceiverRoom, now: float) -> float:
@@ -288,7 +301,7 @@ class EmbeddingReceiver(ReceiverChunks):
         state.move(RoomState.FAILED)
         state.kind = kind
         self._failed_by_reason[kind.label] += 1
-        if state.init_sent:
+        if state.known_to_sender:
             msg = self._envelope()
             msg.abort.room = state.room
             msg.abort.reason = reason
@@ -310,8 +323,8 @@ class EmbeddingReceiver(ReceiverChunks):
         kind = FailureKind.PEER_RESTARTED
         for state in list(self._rooms.values()):
             bound = (state.sender_endpoint, state.sender_incarnation)
-            if state.init_sent and bound == (endpoint, old_incarnation):
-                state.init_sent = False  # the new process never heard of the room
+            if state.known_to_sender and bound == (endpoint, old_incarnation):
+                state.known_to_sender = False  # the new process never heard of the room
                 self._fail(state, kind, kind.reason(f"sender {endpoint} restarted"))
 
     def _on_tick(self, now: float) -> None:
@@ -337,12 +350,15 @@ class EmbeddingReceiver(ReceiverChunks):
         for ep in self.peers.silent(active, now):
             kind = FailureKind.SENDER_DEAD
             for state in list(self._rooms.values()):
-                if state.sender_endpoint == ep and state.init_sent:
+                # NOTE: a room only claimed (still queued for our blocks) waits for us, not for
+                # the sender; a sender older than minor 5 ignores claims and sends no heartbeat
+                asked = state.state != RoomState.BOOTSTRAPPING
+                if state.sender_endpoint == ep and state.known_to_sender and asked:
                     self._fail(state, kind, kind.reason(f"{ep} silent"))
         self._send_heartbeats(self._active_peers(), now)
 
     def _active_peers(self) -> set[str]:
-        return {s.sender_endpoint for s in self._rooms.values() if s.init_sent}
+        return {s.sender_endpoint for s in self._rooms.values() if s.known_to_sender}
 
     def _next_due(self) -> float | None:
         times = [min(s.deadline, s.request_deadline) for s in self._rooms.values()]

@@ -78,7 +78,7 @@ class ReceiverChunks(TransferEndpoint):
             self.counters["wrong_peer"] += 1
             return
         rstate = messages.state_from_proto(status.state)
-        if not state.init_sent or rstate is None:
+        if not state.known_to_sender or rstate is None:
             self.counters["unexpected_status"] += 1
             return
         state.sender_minor = env.minor_version
@@ -86,7 +86,7 @@ class ReceiverChunks(TransferEndpoint):
             state.sender_incarnation = env.incarnation
         if rstate == RoomState.FAILED:
             state.awaiting_write = status.write_in_flight
-            state.init_sent = False  # the sender already dropped the room
+            state.known_to_sender = False  # the sender already dropped the room
             kind = FailureKind.from_wire(status.error_kind)
             reason = status.error[:MAX_PEER_TEXT] or kind.reason("the sender failed the room")
             self._fail(state, kind, reason)

@@ -25,7 +25,7 @@ class ReceiverRoom:
     request_deadline: float = math.inf  # the request's own deadline (monotonic)
     allocation: Allocation | None = None
     awaiting_write: bool = False  # an init is out: a write into `allocation` may land
-    init_sent: bool = False  # the sender knows this room (abort it when we give up)
+    known_to_sender: bool = False  # an init or a claim went out: abort it when we give up
     acked: bool = False  # the sender holds our first init for the data ("still encoding")
     sender_incarnation: int = 0  # the sender process that answered for the room (0: none yet)
     kind: FailureKind = FailureKind.UNSPECIFIED

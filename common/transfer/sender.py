@@ -6,12 +6,15 @@ Room flow (sender view)::
     submit() --+-- init already there --> write chunk --> TRANSFERRING --(init)--> ... SUCCESS
                +-- no init yet: BOOTSTRAPPING
     init ------+-- no data yet: WAITING_FOR_INPUT, acknowledged ("still encoding", wait_s)
+    claim ------- the receiver waits for blocks: the room is bound to it, no state change
 
 Timeouts measure liveness and the request's deadline, not how long the encoder works: a room
 the encoder announced (``expect``) waits for its data, and its init for the data, until the
-request's deadline, as long as the receiver is alive (heartbeats). A room nobody announced
-waits ``bootstrap_timeout_s`` (a gateway that died between its two calls must not pin blocks),
-a continuation init ``waiting_timeout_s`` (announced: the deadline), a write
+request's deadline, as long as the receiver is alive (heartbeats). Until a receiver asked for
+it (init) or claimed it (a receiver short of blocks, minor 5), an announced room waits
+``bootstrap_timeout_s``: its gateway may have died before any receiver heard of it. A room
+nobody announced waits ``bootstrap_timeout_s`` too (a gateway that died between its two calls
+must not pin blocks), a continuation init ``waiting_timeout_s`` (announced: the deadline), a write
 ``transfer_timeout_s``. A receiver silent for ``heartbeat_timeout_s``, or answering with a new
 incarnation, fails its rooms. Taking the data in (``submit``, or ``begin`` and ``add_rows``
 image by image) is in ``sender_intake.py``, the write half (queues, writer threads) in
@@ -70,6 +73,7 @@ class EmbeddingSender(SenderIntake):
 
         Until then the data waits for the receiver's init and an init waits for the data, as
         long as the receiver is alive; at the deadline the room fails in whatever state it is.
+        A room no receiver asked for (init) or claimed fails after ``bootstrap_timeout_s``.
         Calling it again moves the deadline; a room that already ended is left alone.
         """
         if not math.isfinite(deadline):
@@ -137,8 +141,10 @@ class EmbeddingSender(SenderIntake):
     def _arm(self, state: SenderRoom, now: float) -> None:
         if state.writing:
             return  # bounded by transfer_timeout_s from when the job was queued
-        if state.expected:
+        if state.expected and state.receiver_endpoint:
             state.deadline = state.request_deadline
+        elif state.expected:  # no receiver asked for it yet
+            state.deadline = min(state.request_deadline, now + self.config.bootstrap_timeout_s)
         elif state.state == RoomState.TRANSFERRING:
             state.deadline = now + self.config.waiting_timeout_s
         else:
@@ -196,6 +202,8 @@ class EmbeddingSender(SenderIntake):
         kind = env.WhichOneof("body")
         if kind == "init":
             self._on_init(env)
+        elif kind == "claim":
+            self._on_claim(env)
         elif kind == "abort":
             self._on_abort(env)
         elif kind != "heartbeat":
@@ -220,38 +228,61 @@ class EmbeddingSender(SenderIntake):
             return
         self._fail(state, FailureKind.ABORTED, env.abort.reason[:MAX_PEER_TEXT] or "by receiver")
 
-    def _on_init(self, env: transfer_pb2.TransferEnvelope) -> None:
-        init, peer = env.init, env.from_endpoint
-        if init.receiver_endpoint != peer:  # replies go where the frame came from, nowhere else
-            self.counters["rejected_init"] += 1
-            return
-        now = time.monotonic()
-        state = self._rooms.get(init.room)
+    def _room_of(self, env: transfer_pb2.TransferEnvelope, room: int) -> SenderRoom | None:
+        """The room an init or claim from ``env``'s sender is for, created when new; None (and
+        the peer answered when useful) when the message is to be dropped."""
+        peer = env.from_endpoint
+        state = self._rooms.get(room)
         if state is None:
-            ended = self._finished.get(init.room)
+            ended = self._finished.get(room)
             if ended is not None:
-                if ended.state == RoomState.FAILED:  # failed before the init arrived
+                if ended.state == RoomState.FAILED:  # failed before the receiver asked
                     self._status_to(
                         peer,
-                        init.room,
+                        room,
                         RoomState.FAILED,
                         error=ended.reason or "failed before the init arrived",
                         error_kind=int(ended.kind),
                     )
                 else:
                     self.counters["stale_init"] += 1
-                return
+                return None
             if self._num_unannounced() >= MAX_UNANNOUNCED_ROOMS:
                 self.counters["rejected_init"] += 1
                 kind = FailureKind.BAD_INIT
                 error = kind.reason(f"{MAX_UNANNOUNCED_ROOMS} rooms already wait for data")
-                self._status_to(
-                    peer, init.room, RoomState.FAILED, error=error, error_kind=int(kind)
-                )
-                return
-            state = self._rooms[init.room] = SenderRoom(init.room)
+                self._status_to(peer, room, RoomState.FAILED, error=error, error_kind=int(kind))
+                return None
+            state = self._rooms[room] = SenderRoom(room)
         elif state.receiver_endpoint and state.receiver_endpoint != peer:
             self.counters["wrong_peer"] += 1
+            return None
+        return state
+
+    def _bind(self, state: SenderRoom, env: transfer_pb2.TransferEnvelope, now: float) -> None:
+        """The first receiver to ask for (or claim) a room is its receiver for good."""
+        if not state.receiver_endpoint:
+            state.receiver_endpoint, state.receiver_incarnation = env.from_endpoint, env.incarnation
+            self.peers.watch(env.from_endpoint, now, env.incarnation)
+
+    def _on_claim(self, env: transfer_pb2.TransferEnvelope) -> None:
+        """A receiver waits for the room but has no blocks for its init yet: hold the room for
+        it (until the request's deadline when announced) as long as it lives."""
+        state = self._room_of(env, env.claim.room)
+        if state is None or state.receiver_endpoint:
+            return
+        now = time.monotonic()
+        self._bind(state, env, now)
+        self._arm(state, now)
+
+    def _on_init(self, env: transfer_pb2.TransferEnvelope) -> None:
+        init, peer = env.init, env.from_endpoint
+        if init.receiver_endpoint != peer:  # replies go where the frame came from, nowhere else
+            self.counters["rejected_init"] += 1
+            return
+        now = time.monotonic()
+        state = self._room_of(env, init.room)
+        if state is None:
             return
         current = state.init
         if current is None and not (state.writing and init.sent_tokens <= state.sent_tokens):
@@ -265,9 +296,7 @@ class EmbeddingSender(SenderIntake):
         else:
             self.counters["duplicate_init"] += 1
             return
-        if not state.receiver_endpoint:
-            state.receiver_endpoint, state.receiver_incarnation = peer, env.incarnation
-            self.peers.watch(peer, now, env.incarnation)
+        self._bind(state, env, now)
         setattr(state, slot, init)
         if state.has_data:
             self._maybe_write(state)
@@ -307,6 +336,8 @@ class EmbeddingSender(SenderIntake):
     def _timeout_of(state: SenderRoom) -> tuple[FailureKind, str]:
         if state.writing:
             return FailureKind.TRANSFER_TIMEOUT, "write did not finish"
+        if state.expected and not state.receiver_endpoint:
+            return FailureKind.BOOTSTRAP_TIMEOUT, "no receiver asked for the room or claimed it"
         if state.state == RoomState.TRANSFERRING and state.init is not None:
             return FailureKind.WAITING_TIMEOUT, "the rest of the rows did not come"
         if state.state == RoomState.TRANSFERRING:

@@ -1,9 +1,11 @@
 """Timeouts measure liveness and the request's deadline, not how long the encoder works.
 
 Real processes (the sender is spawned), real Mooncake over tcp, short timeouts: a room the
-encoder announced (``expect``) waits for data that comes long after ``bootstrap_timeout_s``; an
-unannounced one still times out; a killed sender is noticed through its missing heartbeats; a
-restarted one through its new incarnation; the request's deadline ends a room on both sides.
+encoder announced (``expect``) waits for data that comes long after ``bootstrap_timeout_s``,
+and for the init of a receiver that claimed it while short of blocks; an announced room that no
+receiver asked for or claimed times out (its gateway died), and so does an unannounced one; a
+killed sender is noticed through its missing heartbeats; a restarted one through its new
+incarnation; the request's deadline ends a room on both sides.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _acks(receiver) -> int:
     return receiver.stats()["messages"].get("acknowledged_inits", 0)
 
 
-@pytest.mark.parametrize("order", ["expect-init-data", "init-expect-data", "expect-data-init"])
+@pytest.mark.parametrize("order", ["expect-init-data", "init-expect-data"])
 def test_announced_room_waits_for_slow_data(short_sender, make_receiver, order: str) -> None:
     sender, receiver = short_sender, make_receiver(**SHORT)
     s = spec(new_room(), 1500)
@@ -56,19 +58,74 @@ def test_announced_room_waits_for_slow_data(short_sender, make_receiver, order: 
     if first == "init":  # the init beats the encoder's expect(): held bootstrap_timeout_s
         assert wait_for(lambda: sender_state(sender, s.seed) == RoomState.WAITING_FOR_INPUT)
     steps[second]()
-    if last == "data":  # acknowledged again when expect() moves the bound to the deadline
-        assert wait_for(lambda: _acks(receiver) == (2 if first == "init" else 1))
+    # acknowledged again when expect() moves the bound to the deadline
+    assert wait_for(lambda: _acks(receiver) == (2 if first == "init" else 1))
     time.sleep(ENCODE_S)  # the ViT takes its time; only heartbeats flow meanwhile
-    waiting = RoomState.WAITING_FOR_INPUT if last == "data" else RoomState.BOOTSTRAPPING
-    assert sender_state(sender, s.seed) == waiting
-    if last == "data":
-        assert receiver.poll(s.seed) == RoomState.WAITING_FOR_INPUT
+    assert sender_state(sender, s.seed) == RoomState.WAITING_FOR_INPUT
+    assert receiver.poll(s.seed) == RoomState.WAITING_FOR_INPUT
     steps[last]()
     got = collect(receiver, {s.seed})[s.seed]
     assert isinstance(got, ReceivedEmbeddings), got
     assert matches(got, make_request(s, receiver.layout))
     receiver.release(s.seed)
     assert sender.ask("call", "stats")["failed_by_reason"] == {}
+    assert_no_leaks(sender, receiver)
+
+
+def test_announced_room_no_receiver_asked_for_times_out(short_sender) -> None:
+    """The gateway died after the encoder accepted the room and before any language worker
+    heard of it: the data is freed after ``bootstrap_timeout_s``, not at the deadline."""
+    sender = short_sender
+    s = spec(new_room(), 700)
+    sender.ask("call", "expect", s.seed, time.monotonic() + 60.0)
+    assert sender.ask("submit", s)
+    start = time.monotonic()
+    assert wait_for(lambda: sender_state(sender, s.seed) == RoomState.FAILED, 5.0)
+    assert time.monotonic() - start < 4 * SHORT["bootstrap_timeout_s"]
+    stats = sender.ask("wait_idle", 5.0)
+    assert stats["num_used_blocks"] == 0 and stats["failed_by_reason"]["bootstrap_timeout"] >= 1
+
+
+def test_claimed_room_waits_for_the_receivers_blocks(short_sender, make_receiver) -> None:
+    """A receiver short of blocks claims the room: the sender holds the data for it long past
+    ``bootstrap_timeout_s`` (its heartbeats say it lives), and the init that comes once blocks
+    are free is served."""
+    sender, receiver = short_sender, make_receiver(**SHORT, num_blocks=8)
+    failed_before = sender.ask("call", "stats")["failed_by_reason"]
+    hog = receiver.allocator.alloc(8 * 128)  # the receiver's buffer is busy for a while
+    s = spec(new_room(), 700)
+    deadline = time.monotonic() + 60.0
+    sender.ask("call", "expect", s.seed, deadline)
+    assert sender.ask("submit", s)
+    receiver.add_room(s.seed, sender.endpoint, deadline)
+    time.sleep(ENCODE_S)
+    assert receiver.poll(s.seed) == RoomState.BOOTSTRAPPING
+    assert sender_state(sender, s.seed) == RoomState.BOOTSTRAPPING
+    with receiver._lock:  # the blocks come free: the queued room gets them and its init goes
+        receiver._free(hog)
+    got = collect(receiver, {s.seed})[s.seed]
+    assert isinstance(got, ReceivedEmbeddings), got
+    assert matches(got, make_request(s, receiver.layout))
+    receiver.release(s.seed)
+    assert sender.ask("call", "stats")["failed_by_reason"] == failed_before
+    assert_no_leaks(sender, receiver)
+
+
+def test_aborting_a_claimed_room_frees_the_senders_data(short_sender, make_receiver) -> None:
+    sender, receiver = short_sender, make_receiver(**SHORT, num_blocks=8)
+    hog = receiver.allocator.alloc(8 * 128)
+    s = spec(new_room(), 700)
+    deadline = time.monotonic() + 60.0
+    sender.ask("call", "expect", s.seed, deadline)
+    assert sender.ask("submit", s)
+    handled = sender.ask("call", "stats")["messages"].get("handled", 0)
+    receiver.add_room(s.seed, sender.endpoint, deadline)
+    assert wait_for(lambda: sender.ask("call", "stats")["messages"]["handled"] > handled)
+    receiver.abort(s.seed)  # the request was cancelled before any init went out
+    assert wait_for(lambda: sender_state(sender, s.seed) == RoomState.FAILED, 2.0)
+    assert sender.ask("call", "stats")["failed_by_reason"].get("aborted", 0) >= 1
+    with receiver._lock:
+        receiver._free(hog)
     assert_no_leaks(sender, receiver)
 
 
@@ -136,7 +193,8 @@ def test_request_deadline_frees_data_waiting_for_receiver_blocks(
     short_sender, make_receiver
 ) -> None:
     sender, receiver = short_sender, make_receiver(**SHORT, num_blocks=8)
-    before = sender.ask("call", "stats")["failed_by_reason"].get("deadline", 0)
+    failed = sender.ask("call", "stats")["failed_by_reason"]
+    before = failed.get("deadline", 0) + failed.get("aborted", 0)
     hog = receiver.allocator.alloc(8 * 128)  # the receiver's buffer is busy for a long time
     s = spec(new_room(), 700)
     deadline = time.monotonic() + 2.5
@@ -149,8 +207,10 @@ def test_request_deadline_frees_data_waiting_for_receiver_blocks(
     got = collect(receiver, {s.seed}, timeout_s=10.0)[s.seed]
     assert isinstance(got, TransferError) and got.kind == FailureKind.DEADLINE, got
     assert wait_for(lambda: sender_state(sender, s.seed) == RoomState.FAILED)
-    # no init ever reached the sender, so no abort either: it failed the room by itself
-    assert sender.ask("call", "stats")["failed_by_reason"]["deadline"] == before + 1
+    # the room was only claimed: the sender failed it at the deadline by itself, or on the
+    # receiver's abort if that came first
+    failed = sender.ask("call", "stats")["failed_by_reason"]
+    assert failed.get("deadline", 0) + failed.get("aborted", 0) == before + 1
     receiver.allocator.free(hog)
     assert_no_leaks(sender, receiver)
 
