@@ -41,7 +41,8 @@ class TransferConfig:
     bootstrap_timeout_s: float = field(
         30.0,
         help="a room the encoder did not announce (no expect() with the request's deadline): "
-        "its data waiting for an init, or an init waiting for its data",
+        "its data waiting for an init, or an init waiting for its data; an announced room that "
+        "no receiver asked for or claimed (its gateway died first)",
     )
     waiting_timeout_s: float = field(
         30.0,
