@@ -229,8 +229,8 @@ class EmbeddingSender(SenderIntake):
         self._fail(state, FailureKind.ABORTED, env.abort.reason[:MAX_PEER_TEXT] or "by receiver")
 
     def _room_of(self, env: transfer_pb2.TransferEnvelope, room: int) -> SenderRoom | None:
-        """The room an init or claim from ``env``'s sender is for, created when new; None (and
-        the peer answered when useful) when the message is to be dropped."""
+        """The room an init or claim (``env``) asks for, created when new; None when the
+        message is to be dropped (the receiver is told when the room already failed)."""
         peer = env.from_endpoint
         state = self._rooms.get(room)
         if state is None:
