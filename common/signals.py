@@ -53,7 +53,8 @@ class TerminationSignals:
         tb: TracebackType | None,
     ) -> None:
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            if handler is not None:  # None: a handler not set from Python, nothing to restore
+                signal.signal(signum, handler)
         signal.set_wakeup_fd(self._previous_wakeup_fd)
         os.close(self._read_fd)
         os.close(self._write_fd)
