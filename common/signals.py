@@ -64,11 +64,11 @@ class TerminationSignals:
         Signals and wakes that came before this call are returned first, in order."""
         while True:
             # NOTE: one byte at a time, so that what follows stays in the pipe for the next call
-            for byte in os.read(self._read_fd, 1):
-                if byte == WAKE:
-                    return None
-                if byte in self._signals:
-                    return signal.Signals(byte)
+            (byte,) = os.read(self._read_fd, 1)  # never EOF: we hold the write end
+            if byte == WAKE:
+                return None
+            if byte in self._signals:
+                return signal.Signals(byte)
 
     def wake(self) -> None:
         """End the current or next ``next()`` call with None (any thread)."""
