@@ -72,6 +72,17 @@ def test_announced_room_waits_for_slow_data(short_sender, make_receiver, order: 
     assert_no_leaks(sender, receiver)
 
 
+def _queued_for_blocks(sender, receiver, deadline: float):
+    """An announced room whose data is ready while the receiver's buffer (8 blocks) is taken by
+    a hog: the receiver queues it (and claims it). Returns its spec and the hog."""
+    hog = receiver.allocator.alloc(8 * 128)
+    s = spec(new_room(), 700)
+    sender.ask("call", "expect", s.seed, deadline)
+    assert sender.ask("submit", s)
+    receiver.add_room(s.seed, sender.endpoint, deadline)
+    return s, hog
+
+
 def test_announced_room_no_receiver_asked_for_times_out(short_sender) -> None:
     """The gateway died after the encoder accepted the room and before any language worker
     heard of it: the data is freed after ``bootstrap_timeout_s``, not at the deadline."""
@@ -92,12 +103,7 @@ def test_claimed_room_waits_for_the_receivers_blocks(short_sender, make_receiver
     are free is served."""
     sender, receiver = short_sender, make_receiver(**SHORT, num_blocks=8)
     failed_before = sender.ask("call", "stats")["failed_by_reason"]
-    hog = receiver.allocator.alloc(8 * 128)  # the receiver's buffer is busy for a while
-    s = spec(new_room(), 700)
-    deadline = time.monotonic() + 60.0
-    sender.ask("call", "expect", s.seed, deadline)
-    assert sender.ask("submit", s)
-    receiver.add_room(s.seed, sender.endpoint, deadline)
+    s, hog = _queued_for_blocks(sender, receiver, time.monotonic() + 60.0)
     time.sleep(ENCODE_S)
     assert receiver.poll(s.seed) == RoomState.BOOTSTRAPPING
     assert sender_state(sender, s.seed) == RoomState.BOOTSTRAPPING
@@ -113,13 +119,8 @@ def test_claimed_room_waits_for_the_receivers_blocks(short_sender, make_receiver
 
 def test_aborting_a_claimed_room_frees_the_senders_data(short_sender, make_receiver) -> None:
     sender, receiver = short_sender, make_receiver(**SHORT, num_blocks=8)
-    hog = receiver.allocator.alloc(8 * 128)
-    s = spec(new_room(), 700)
-    deadline = time.monotonic() + 60.0
-    sender.ask("call", "expect", s.seed, deadline)
-    assert sender.ask("submit", s)
     handled = sender.ask("call", "stats")["messages"].get("handled", 0)
-    receiver.add_room(s.seed, sender.endpoint, deadline)
+    s, hog = _queued_for_blocks(sender, receiver, time.monotonic() + 60.0)
     assert wait_for(lambda: sender.ask("call", "stats")["messages"]["handled"] > handled)
     receiver.abort(s.seed)  # the request was cancelled before any init went out
     assert wait_for(lambda: sender_state(sender, s.seed) == RoomState.FAILED, 2.0)
@@ -195,12 +196,8 @@ def test_request_deadline_frees_data_waiting_for_receiver_blocks(
     sender, receiver = short_sender, make_receiver(**SHORT, num_blocks=8)
     failed = sender.ask("call", "stats")["failed_by_reason"]
     before = failed.get("deadline", 0) + failed.get("aborted", 0)
-    hog = receiver.allocator.alloc(8 * 128)  # the receiver's buffer is busy for a long time
-    s = spec(new_room(), 700)
     deadline = time.monotonic() + 2.5
-    sender.ask("call", "expect", s.seed, deadline)
-    assert sender.ask("submit", s)
-    receiver.add_room(s.seed, sender.endpoint, deadline)
+    s, hog = _queued_for_blocks(sender, receiver, deadline)
     time.sleep(2 * SHORT["waiting_timeout_s"])  # queueing for blocks is not a timeout
     assert receiver.poll(s.seed) == RoomState.BOOTSTRAPPING
     assert sender_state(sender, s.seed) == RoomState.BOOTSTRAPPING
