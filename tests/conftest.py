@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("GLOG_minloglevel", "2")  # quiet Mooncake's glog in child processes
+# NOTE: the suite compares served tokens with transformers run in fp32, so the services it starts
+# compute in fp32 unless a test asks for another dtype (``--dtype`` wins over these). ``auto``
+# would pick bf16 on a CPU with native bf16; the bf16 tests ask for it by name.
+os.environ.setdefault("EPD_ENCODER_DTYPE", "float32")
+os.environ.setdefault("EPD_LANGUAGE_DTYPE", "float32")
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 

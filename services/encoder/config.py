@@ -5,10 +5,10 @@ The transfer plane keeps its own ``TransferConfig`` (env ``EPD_TRANSFER_*``), ne
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from common.cli_config import field
+from common.compute import check_compute_settings
 from common.transfer.config import TransferConfig
 from common.transfer.types import MAX_EXTRA_BYTES
 from common.worker import WorkerConfig
@@ -17,8 +17,6 @@ from .aux_extra import extra_size_bound, max_images_that_fit
 
 ENV_PREFIX = "EPD_ENCODER_"
 SENDERS = ("transfer", "none")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -36,8 +34,15 @@ class EncoderConfig:
     device: str = field("auto", help="auto (cuda when present, else cpu) | cpu | cuda | cuda:N")
     dtype: str = field(
         "auto",
-        help="compute dtype of the vision tower: auto (bfloat16 on cuda, float32 on cpu) | "
-        "float32 | bfloat16 | float16; rows are cast once to the transfer dtype after the ViT",
+        help="compute dtype of the vision tower: auto (bfloat16 on CUDA and on a CPU with "
+        "native bf16, else float32) | float32 | bfloat16 | float16; rows are cast once to the "
+        "transfer dtype after the ViT",
+    )
+    linear_kernel: str = field(
+        "auto",
+        help="kernel of the vision tower's linear layers: auto (onednn where it runs, else "
+        "plain) | plain (F.linear, the reference) | onednn (weights prepacked once; CPU bf16 "
+        "only, else it falls back to plain and logs why)",
     )
     # intake
     max_image_bytes: int = field(20 << 20, help="largest encoded image accepted, in bytes")
@@ -116,10 +121,7 @@ class EncoderConfig:
             raise ValueError(f"min_pixels ({self.min_pixels}) > max_pixels ({self.max_pixels})")
         if self.cache_mb < 0:
             raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
-        if not _DEVICE.fullmatch(self.device):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_compute_settings(self.device, self.dtype, self.linear_kernel)
         if self.sender not in SENDERS:
             raise ValueError(f"sender must be one of {SENDERS}, got {self.sender!r}")
         if not 0 <= self.port < 65536:

@@ -53,7 +53,9 @@ class EncoderPipeline:
             self.checkpoint, self.config.min_pixels, self.config.max_pixels
         )
         self.prompts = PromptBuilder(self.checkpoint)
-        self.tower = VisionTower(self.checkpoint, self.config.device, self.config.dtype)
+        self.tower = VisionTower(
+            self.checkpoint, self.config.device, self.config.dtype, self.config.linear_kernel
+        )
         # Rows leave the ViT in the deployment's wire dtype, whatever the tower computes in.
         self.rows_dtype = parse_dtype(self.config.transfer.dtype)
         cache_bytes = self.config.cache_mb << 20

@@ -8,37 +8,20 @@ The tower is built from ``config.vision_config`` the way the full model builds i
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
+from common.compute import resolve_compute
+from common.linear_kernels import use_linear_kernel
 from common.models import checkpoint_files
-from common.transfer.layout import parse_dtype
 
 from .checkpoint import VISION_CLASS, Checkpoint
 
+logger = logging.getLogger(__name__)
+
 VISUAL_PREFIXES = ("model.visual.", "visual.")
-
-
-def pick_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
-    """The tower's device and compute dtype, chosen independently.
-
-    ``device``: auto (CUDA when present, else CPU) | cpu | cuda | cuda:N. ``dtype``: auto
-    (bfloat16 on CUDA, float32 on CPU, where bf16 runs several times slower) or a dtype name;
-    bf16 and fp16 are allowed on CPU. A CUDA device that is not there is a ``ValueError``.
-    """
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    chosen = torch.device(device)
-    if chosen.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = chosen.index or 0
-        if index >= count:
-            raise ValueError(f"device {device} requested but {count} CUDA devices are visible")
-        chosen = torch.device("cuda", index)
-    if dtype == "auto":
-        return chosen, torch.bfloat16 if chosen.type == "cuda" else torch.float32
-    return chosen, parse_dtype(dtype)
 
 
 def to_host(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -87,16 +70,27 @@ class VisionTower:
     the main embedding alone otherwise.
     """
 
-    def __init__(self, checkpoint: Checkpoint, device: str = "auto", dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        device: str = "auto",
+        dtype: str = "auto",
+        linear_kernel: str = "auto",
+    ) -> None:
         from transformers.initialization import no_init_weights
 
-        self.device, self.dtype = pick_device(device, dtype)
+        compute = resolve_compute(device, dtype)
+        self.device, self.dtype = compute.device, compute.dtype
+        logger.info("vision tower on %s in %s (%s)", self.device, self.dtype, compute.reason)
         vision_cls = checkpoint.model_class(VISION_CLASS)
         with no_init_weights():
             module = vision_cls._from_config(checkpoint.config.vision_config, dtype=self.dtype)
         state = read_visual_state_dict(checkpoint.path)
         module.load_state_dict(state, strict=True)
         self.module = module.to(self.device).eval()
+        self.linear_kernel = use_linear_kernel(
+            self.module, linear_kernel, self.device, self.dtype, "vision tower"
+        )
         self.row_width = checkpoint.row_width
         self.merge_size = int(checkpoint.config.vision_config.spatial_merge_size)
 

@@ -7,16 +7,14 @@ KV pool size, first match wins: ``num_kv_slots`` > 0; ``kv_cache_memory_mb`` > 0
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from common.cli_config import field
+from common.compute import check_compute_settings
 from common.transfer.config import TransferConfig
 from common.worker import WorkerConfig
 
 ENV_PREFIX = "EPD_LANGUAGE_"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -26,7 +24,15 @@ class LanguageConfig:
     port: int = field(50061, help="gRPC listen port (0 = pick a free one)")
     device: str = field("auto", help="auto | cpu | cuda | cuda:N")
     dtype: str = field(
-        "auto", help="compute dtype: auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16"
+        "auto",
+        help="compute dtype: auto (bfloat16 on CUDA and on a CPU with native bf16, else "
+        "float32) | float32 | bfloat16 | float16",
+    )
+    linear_kernel: str = field(
+        "auto",
+        help="kernel of the linear layers: auto (onednn where it runs, else plain) | plain "
+        "(F.linear, the reference) | onednn (weights prepacked once; CPU bf16 only, else it "
+        "falls back to plain and logs why)",
     )
     kv_cache_memory_fraction: float = field(
         0.9,
@@ -66,10 +72,7 @@ class LanguageConfig:
     worker: WorkerConfig = field(WorkerConfig(), help="registration and metrics")
 
     def __post_init__(self) -> None:
-        if not _DEVICE.fullmatch(self.device):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_compute_settings(self.device, self.dtype, self.linear_kernel)
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"

@@ -26,7 +26,11 @@ def pipeline(qwen25_dir, tmp_path_factory):
     pipe = EncoderPipeline(
         qwen25_dir,
         EncoderConfig(
-            device="cpu", max_images=3, max_prompt_tokens=400, allowed_dirs=(str(allowed),)
+            device="cpu",
+            dtype="float32",
+            max_images=3,
+            max_prompt_tokens=400,
+            allowed_dirs=(str(allowed),),
         ),
     )
     pipe.allowed_dir = allowed

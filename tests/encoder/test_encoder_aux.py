@@ -52,7 +52,7 @@ def test_the_largest_allowed_image_count_arrives_whole(qwen25_dir):
     """23 distinct images through a real sender and receiver (shared memory): the receiver's
     aux record carries all 23 full hashes and token counts, in prompt order."""
     transfer = TransferConfig(transport="shm", num_blocks=8)
-    config = EncoderConfig(device="cpu", max_images=23, transfer=transfer)
+    config = EncoderConfig(device="cpu", dtype="float32", max_images=23, transfer=transfer)
     service = EncoderService(qwen25_dir, config)
     receiver = EmbeddingReceiver(transfer, service.layout)
     try:

@@ -46,7 +46,7 @@ def test_pipeline_cache_hit_skips_the_vit(pipeline):
 def test_cache_eviction_in_pipeline(qwen25_dir):
     # the cache keeps rows in the wire dtype (bf16): a 700x700 image is 625 rows x 128 x 2 bytes
     # = 160 KB, so a 1 MiB cache holds six
-    pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", cache_mb=1))
+    pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", dtype="float32", cache_mb=1))
     try:
         big = [noise_image(700, 700, s) for s in range(7)]
         results = [pipe.encode(user_turn(1), [img]) for img in big + big[:1]]
@@ -65,7 +65,9 @@ def test_preprocessing_parameters_change_the_key(qwen25_dir):
     img = noise_image(300, 300, 5)
     keys = []
     for max_pixels in (0, 200 * 200):
-        pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", max_pixels=max_pixels))
+        pipe = EncoderPipeline(
+            qwen25_dir, EncoderConfig(device="cpu", dtype="float32", max_pixels=max_pixels)
+        )
         keys.append(pipe.prepare(user_turn(1), [img]).images[0].key)
         pipe.close()
     assert keys[0] != keys[1]
@@ -93,11 +95,11 @@ def _submit_all(pipe, prompts, after_submit=None):
 
 def test_batched_requests_match_one_by_one(qwen25_dir):
     images = [noise_image(w, h, i) for i, (w, h) in enumerate([(100, 80), (60, 130), (200, 140)])]
-    solo = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", cache_mb=0))
+    solo = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", dtype="float32", cache_mb=0))
     expected = [solo.encode(user_turn(1), [img]) for img in images]
     solo.close()
 
-    pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", cache_mb=0))
+    pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", dtype="float32", cache_mb=0))
     try:
         # hold the loop inside the blocker's forward until all requests are queued
         gate = threading.Lock()
@@ -129,7 +131,7 @@ def test_batched_requests_match_one_by_one(qwen25_dir):
 def test_patch_budget_splits_batches(qwen25_dir):
     # each 112x112 image has 64 patches; a budget of 128 fits two per forward
     pipe = EncoderPipeline(
-        qwen25_dir, EncoderConfig(device="cpu", cache_mb=0, max_batch_patches=128)
+        qwen25_dir, EncoderConfig(device="cpu", dtype="float32", cache_mb=0, max_batch_patches=128)
     )
     try:
         gate = threading.Event()

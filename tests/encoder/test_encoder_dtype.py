@@ -9,6 +9,7 @@ import pytest
 import torch
 from encoder_helpers import encode_bytes, noise_image, user_turn
 
+from common.compute import resolve_compute
 from common.models.hf_reference import HFReference
 from common.models.tiny import ARCHS
 from common.transfer.config import TransferConfig
@@ -18,22 +19,26 @@ from services.encoder.pipeline import EncoderPipeline
 from services.encoder.server import add_arguments, config_from_args
 from services.encoder.service import EncoderService
 from services.encoder.types import ChatMessage, ContentPart, EncodeRequest, ImageSource
-from services.encoder.vision import pick_device, to_host
+from services.encoder.vision import to_host
 
 _rooms = itertools.count(500)
 
 
 def test_device_and_dtype_are_independent(monkeypatch):
-    assert pick_device("cpu", "auto") == (torch.device("cpu"), torch.float32)
-    assert pick_device("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
-    assert pick_device("cpu", "float16") == (torch.device("cpu"), torch.float16)
+    def pick(device, dtype, flags=frozenset()):
+        compute = resolve_compute(device, dtype, flags)
+        return compute.device, compute.dtype
+
+    assert pick("cpu", "auto") == (torch.device("cpu"), torch.float32)
+    assert pick("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+    assert pick("cpu", "float16") == (torch.device("cpu"), torch.float16)
     if torch.cuda.is_available():
-        assert pick_device("auto", "auto") == (torch.device("cuda", 0), torch.bfloat16)
-        assert pick_device("cuda", "float32") == (torch.device("cuda", 0), torch.float32)
+        assert pick("auto", "auto") == (torch.device("cuda", 0), torch.bfloat16)
+        assert pick("cuda", "float32") == (torch.device("cuda", 0), torch.float32)
     else:
-        assert pick_device("auto", "auto") == (torch.device("cpu"), torch.float32)
+        assert pick("auto", "auto") == (torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="cuda:64 requested but"):
-        pick_device("cuda:64", "auto")
+        pick("cuda:64", "auto")
     for bad in ({"device": "gpu"}, {"device": "cuda:x"}, {"dtype": "int8"}, {"dtype": "fp8"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EncoderConfig(**bad)

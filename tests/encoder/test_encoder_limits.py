@@ -104,7 +104,9 @@ def _wait(prompt_submit):
 
 def test_pixel_budget_bounds_queued_patches(qwen25_dir):
     # 1 MiB budget; a 224x168 image is 8x6 = 48 tokens = 903,168 bytes (0.86 MiB) of patches
-    pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", max_queued_pixel_mb=1))
+    pipe = EncoderPipeline(
+        qwen25_dir, EncoderConfig(device="cpu", dtype="float32", max_queued_pixel_mb=1)
+    )
     try:
         gate, entered = _gated(pipe)
         first = pipe.prepare(user_turn(1), [noise_image(224, 168, 1)])
@@ -132,7 +134,7 @@ def test_pixel_budget_bounds_queued_patches(qwen25_dir):
 
 
 def test_hits_and_duplicates_hold_no_patches(qwen25_dir):
-    pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu"))
+    pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", dtype="float32"))
     try:
         img = noise_image(112, 112, 5)
         prompt = pipe.prepare(user_turn(2), [img, img])  # one image twice: one set of patches

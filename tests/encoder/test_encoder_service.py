@@ -89,7 +89,7 @@ def _request(room: int, *images: bytes, text: str = "What is it?", timeout_s: fl
 
 
 def _service(qwen25_dir, sender, **overrides) -> EncoderService:
-    config = EncoderConfig(device="cpu", submit_retry_s=0.01, **overrides)
+    config = EncoderConfig(device="cpu", dtype="float32", submit_retry_s=0.01, **overrides)
     return EncoderService(qwen25_dir, config, sender)
 
 

@@ -48,7 +48,9 @@ class Harness:
         return Case(ref_inputs, local_encode(self.ref, ref_inputs), expected)
 
     def engine(self, **overrides) -> LanguageEngine:
-        kwargs = dict(model_path=self.model_path, num_kv_slots=8192, chunk_size=512)
+        kwargs = dict(
+            model_path=self.model_path, num_kv_slots=8192, chunk_size=512, dtype="float32"
+        )
         kwargs.update(overrides)
         return LanguageEngine(LanguageConfig(**kwargs))
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from common.compute import resolve_compute
 from services.language.config import LanguageConfig
 from services.language.engine.cache_manager import CacheManager
 from services.language.engine.detokenizer import IncrementalDetokenizer
@@ -43,23 +44,16 @@ from services.language.receiving import EmbeddingSource
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(config: LanguageConfig) -> tuple[torch.device, torch.dtype]:
-    name = config.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if config.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, getattr(torch, config.dtype)
-
-
 class LanguageEngine:
     def __init__(self, config: LanguageConfig, embedding_source: EmbeddingSource | None = None):
         from transformers import AutoTokenizer
 
         self.config = config
-        self.device, self.dtype = resolve_device(config)
+        compute = resolve_compute(config.device, config.dtype)
+        self.device, self.dtype = compute.device, compute.dtype
+        logger.info("language model on %s in %s (%s)", self.device, self.dtype, compute.reason)
         self.model = load_text_model(config.model_path, self.device, self.dtype)
+        self.linear_kernel = self.model.use_linear_kernel(config.linear_kernel)  # before sizing
         self.model_config = mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         per_slot = slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.linear_kernels import PackedLinear, use_linear_kernel
 from services.language.kvcache.pool import KVPool
 from services.language.model.batch import ForwardBatch
 from services.language.model.config import TextModelConfig
@@ -51,5 +52,16 @@ class QwenTextModel(nn.Module):
                 extra = batch.image_rows[:, (i + 1) * hidden : (i + 2) * hidden]
                 h[image_mask] = h[image_mask] + extra.to(h.dtype)
         h = self.norm(h[batch.logit_rows])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(h, weight)
+        if self.lm_head is None:  # tied: the embedding table is the output matrix
+            return nn.functional.linear(h, self.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def use_linear_kernel(self, kernel: str) -> str:
+        """Give every linear layer, the LM head included, the kernel ``kernel`` resolves to
+        (see ``common/linear_kernels.py``); returns the one that runs."""
+        weight = self.embed_tokens.weight
+        chosen = use_linear_kernel(self, kernel, weight.device, weight.dtype, "language model")
+        if chosen == "onednn" and self.lm_head is None:
+            # NOTE: tied embeddings: the table stays for the lookups, the head gets a packed copy
+            self.lm_head = PackedLinear(weight, None)
+        return chosen

@@ -1,0 +1,103 @@
+"""Where a service computes and in what dtype: one rule for the encoder and the language worker.
+
+``auto`` picks what the hardware runs fast, decided at start-up from what the processor says it
+can do, never from the device type alone:
+
+* CUDA: bfloat16.
+* CPU with native bf16 instructions (``amx_bf16`` or ``avx512_bf16`` in ``/proc/cpuinfo``) and a
+  oneDNN build that uses them: bfloat16. Such a processor runs a bf16 ``linear`` several times
+  faster than fp32 and reads half the bytes per weight.
+* Any other CPU: float32 (bf16 there is emulated and runs slower than fp32).
+
+The choice and its reason are returned together so the service logs why it chose what it did.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # what a config's ``device`` may say
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # either one: bf16 dot products in hardware
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A service's device and compute dtype, with the reason ``auto`` chose the dtype."""
+
+    device: torch.device
+    dtype: torch.dtype
+    reason: str  # one line for the start-up log
+
+
+def check_compute_settings(device: str, dtype: str, linear_kernel: str) -> None:
+    """A config's ``device``, ``dtype`` and ``linear_kernel``: a ``ValueError`` naming the bad
+    one."""
+    from common.linear_kernels import LINEAR_KERNELS
+
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if linear_kernel not in LINEAR_KERNELS:
+        raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {linear_kernel!r}")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first processor's feature flags (empty when the file is not there or has none)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_native_bf16(flags: frozenset[str] | None = None) -> tuple[bool, str]:
+    """(True, why) when this CPU computes bf16 natively and torch's oneDNN can use it."""
+    flags = cpu_flags() if flags is None else flags
+    native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if not native:
+        return False, f"the CPU has none of {', '.join(NATIVE_BF16_FLAGS)}"
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False, f"the CPU has {', '.join(native)} but torch's oneDNN does not use bf16"
+    return True, f"the CPU has {', '.join(native)}"
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` (CUDA when present, else CPU) | cpu | cuda | cuda:N; a CUDA device that is not
+    there is a ``ValueError``."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    chosen = torch.device(device)
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = chosen.index or 0
+        if index >= count:
+            raise ValueError(f"device {device} requested but {count} CUDA devices are visible")
+        chosen = torch.device("cuda", index)
+    return chosen
+
+
+def resolve_compute(
+    device: str = "auto", dtype: str = "auto", flags: frozenset[str] | None = None
+) -> Compute:
+    """The device and dtype a service runs in; ``flags`` stands in for the CPU's (tests)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    chosen = resolve_device(device)
+    if dtype != "auto":
+        return Compute(chosen, getattr(torch, dtype), f"{dtype} as configured")
+    if chosen.type == "cuda":
+        return Compute(chosen, torch.bfloat16, "auto: bfloat16 on CUDA")
+    native, why = cpu_native_bf16(flags)
+    if native:
+        return Compute(chosen, torch.bfloat16, f"auto: bfloat16, {why}")
+    return Compute(chosen, torch.float32, f"auto: float32, {why}")

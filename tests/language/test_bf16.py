@@ -1,0 +1,82 @@
+"""bf16 serving against transformers run in bf16, and the prepacked linear kernel against the
+plain one.
+
+A bf16 engine and transformers in bf16 round differently in places (fused ops, accumulation
+order), so only the first steps' greedy tokens are required equal, and the first step's
+log-probabilities within ``BF16_LOGPROB_TOL`` of the reference's (the same bound the e2e bf16
+test uses). The ``onednn`` kernel computes exactly what ``plain`` does, so engines on the two
+kernels must agree token for token and in every log-probability.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.local_encode import local_encode
+from common.linear_kernels import onednn_usable
+from common.models.hf_reference import HFReference
+from services.language.engine.sampling import SamplingParams
+from tests.conftest import ARCHS
+from tests.language.conftest import generate, make_image, run_to_completion
+
+BF16_LOGPROB_TOL = 0.02
+NUM_EQUAL_STEPS = 4  # greedy tokens required equal to the bf16 reference
+TOP = 5
+ONEDNN, WHY_NOT = onednn_usable(torch.device("cpu"), torch.bfloat16)
+KERNELS = ["plain", pytest.param("onednn", marks=pytest.mark.skipif(not ONEDNN, reason=WHY_NOT))]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ref(arch, tiny_model_dir):
+    return HFReference(tiny_model_dir(arch), dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def engines(arch, harness):
+    h = harness(arch)
+    return {k: h.engine(dtype="bfloat16", linear_kernel=k) for k in ("plain", "onednn")}
+
+
+def cases(ref):
+    """(reference inputs, engine inputs) for a text prompt and a one-image prompt."""
+    out = []
+    for prompt, images in (
+        ("hello there, who are you?", []),
+        ("describe it", [make_image(64, 48, 1)]),
+    ):
+        ref_inputs = ref.build_inputs(prompt, images)
+        out.append((ref_inputs, local_encode(ref, ref_inputs)))
+    return out
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bf16_engine_matches_bf16_transformers(ref, engines, kernel):
+    engine = engines[kernel]
+    assert engine.dtype == torch.bfloat16 and engine.linear_kernel == kernel
+    for ref_inputs, inputs in cases(ref):
+        assert generate(engine, inputs, NUM_EQUAL_STEPS)[0] == ref.generate(
+            ref_inputs, NUM_EQUAL_STEPS
+        )
+        got = generate(engine, inputs, 1, top_logprobs=TOP)[1].logprobs[0]
+        reference = ref.next_token_logprobs(ref_inputs)
+        assert got.token_id == int(reference.argmax())
+        worst = max(abs(lp - float(reference[t])) for t, lp in got.top)
+        assert worst <= BF16_LOGPROB_TOL, f"first-step log-probabilities differ by {worst:.4f}"
+
+
+@pytest.mark.skipif(not ONEDNN, reason=WHY_NOT)
+def test_onednn_kernel_equals_plain(ref, engines):
+    def run(engine, inputs):
+        engine.add_request("r", SamplingParams(max_new_tokens=12, top_logprobs=TOP), inputs)
+        return [lp for out in run_to_completion(engine)["r"] for lp in out.logprobs]
+
+    for _, inputs in cases(ref):
+        plain = run(engines["plain"], inputs)
+        assert len(plain) == 12
+        assert run(engines["onednn"], inputs) == plain  # every token and log-probability
