@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.language.engine.engine import LanguageEngine
 from services.language.engine.outputs import EngineLoad
@@ -86,7 +86,20 @@ class EngineThread:
         return self._load
 
     def submit(self, sub: Submission) -> queue.Queue[RequestOutput]:
-        """Queue ``sub``; raises QueueFullError, DuplicateRequestError or EngineStoppedError."""
+        """Queue ``sub``; raises QueueFullError, DuplicateRequestError or EngineStoppedError.
+
+        A chat is tokenized here, on the caller's thread, so that the engine thread spends no
+        step time on chat templates; a chat that cannot be tokenized ends its request alone
+        (its stream gets the error)."""
+        stream: queue.Queue[RequestOutput] = queue.Queue()
+        failure = None
+        if sub.messages is not None:
+            try:
+                sub = replace(
+                    sub, inputs=self.engine.tokenize_messages(sub.messages), messages=None
+                )
+            except Exception as exc:  # a bad chat must not take anything else down
+                failure = exc
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError(SHUTDOWN_ERROR)
@@ -95,10 +108,12 @@ class EngineThread:
             load = self._load
             if load.num_waiting + load.num_receiving + self._num_pending >= self.max_waiting:
                 raise QueueFullError(f"{self.max_waiting} requests already waiting")
-            self._num_pending += 1
-            stream: queue.Queue[RequestOutput] = queue.Queue()
-            self._streams[sub.request_id] = stream
-            self._post(lambda: self._add(sub, stream))
+            if failure is None:
+                self._num_pending += 1
+                self._streams[sub.request_id] = stream
+                self._post(lambda: self._add(sub, stream))
+        if failure is not None:
+            stream.put(_error_output(sub.request_id, failure))
         return stream
 
     def is_active(self, request_id: str) -> bool:
@@ -129,21 +144,13 @@ class EngineThread:
         with self._lock:
             self._num_pending -= 1
         try:
-            inputs = sub.inputs
-            if sub.messages is not None:
-                inputs = self.engine.tokenize_messages(sub.messages)
             self.engine.add_request(
-                sub.request_id, sub.params, inputs, sub.room, sub.encoder_endpoint, sub.deadline
+                sub.request_id, sub.params, sub.inputs, sub.room, sub.encoder_endpoint, sub.deadline
             )
         except Exception as exc:  # a bad request must not take the engine down
-            kind = exc.kind if isinstance(exc, RequestError) else ErrorKind.INVALID_ARGUMENT
             with self._lock:
                 self._streams.pop(sub.request_id, None)
-            stream.put(
-                RequestOutput(
-                    sub.request_id, [], "", FinishReason.ERROR, error=str(exc), error_kind=kind
-                )
-            )
+            stream.put(_error_output(sub.request_id, exc))
 
     def _dispatch(self, outputs: list[RequestOutput | None]) -> None:
         for out in outputs:
@@ -212,3 +219,9 @@ class EngineThread:
                 )
             )
         self._load = self.engine.load()
+
+
+def _error_output(request_id: str, exc: Exception) -> RequestOutput:
+    """The last output of a request that could not be taken in."""
+    kind = exc.kind if isinstance(exc, RequestError) else ErrorKind.INVALID_ARGUMENT
+    return RequestOutput(request_id, [], "", FinishReason.ERROR, error=str(exc), error_kind=kind)

@@ -154,3 +154,27 @@ def test_duplicates_are_refused_and_stop_finishes_every_request(setup):
     assert source.aborted == [9]
     with pytest.raises(EngineStoppedError):
         thread.submit(Submission("r5", SamplingParams(), room=11, encoder_endpoint="e"))
+
+
+def test_chats_are_tokenized_off_the_engine_thread_and_a_bad_one_fails_alone(setup, monkeypatch):
+    _, _, thread = setup
+    engine, seen = thread.engine, []
+    tokenize = engine.tokenize_messages
+
+    def spy(messages):
+        seen.append(threading.current_thread())
+        return tokenize(messages)
+
+    monkeypatch.setattr(engine, "tokenize_messages", spy)
+    chat = [{"role": "user", "content": "hello there"}]
+    good = thread.submit(Submission("t1", SamplingParams(max_new_tokens=3), messages=chat))
+    bad = thread.submit(Submission("t2", SamplingParams(), messages=[]))  # no message at all
+    assert seen == [threading.current_thread()] * 2  # the caller's thread, not the engine's
+    [failed] = collect(bad)
+    assert failed.finish_reason == FinishReason.ERROR
+    assert failed.error_kind == ErrorKind.INVALID_ARGUMENT
+    assert "empty conversation" in failed.error
+    outs = collect(good)
+    assert outs[-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(o.token_ids) for o in outs) == 3
+    assert not thread.is_active("t2")
