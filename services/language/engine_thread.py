@@ -17,7 +17,7 @@ import collections
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from services.language.engine.engine import LanguageEngine
@@ -225,3 +225,31 @@ def _error_output(request_id: str, exc: Exception) -> RequestOutput:
     """The last output of a request that could not be taken in."""
     kind = exc.kind if isinstance(exc, RequestError) else ErrorKind.INVALID_ARGUMENT
     return RequestOutput(request_id, [], "", FinishReason.ERROR, error=str(exc), error_kind=kind)
+
+
+def coalesced_outputs(stream: queue.Queue[RequestOutput]) -> Iterator[RequestOutput]:
+    """A request's outputs as its caller should send them: blocks for the next one, then merges
+    into it every later output already queued behind it (their tokens, text and log-probabilities
+    in order; the last one's finish and usage). A caller that sends slower than the engine
+    decodes thus sends fewer, larger messages instead of falling further behind. An error is
+    never merged: the tokens before it go out first. Ends after the finished output."""
+    pending: RequestOutput | None = None
+    while True:
+        out, pending = pending or stream.get(), None
+        while not out.finished:
+            try:
+                nxt = stream.get_nowait()
+            except queue.Empty:
+                break
+            if nxt.error_kind != ErrorKind.NONE:
+                pending = nxt
+                break
+            out = replace(
+                nxt,
+                token_ids=out.token_ids + nxt.token_ids,
+                text=out.text + nxt.text,
+                logprobs=out.logprobs + nxt.logprobs,
+            )
+        yield out
+        if out.finished:
+            return

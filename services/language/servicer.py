@@ -25,6 +25,7 @@ from services.language.engine_thread import (
     EngineThread,
     QueueFullError,
     Submission,
+    coalesced_outputs,
 )
 
 NO_DEADLINE_S = 1e9  # gRPC reports "no deadline" as ~2**63 seconds remaining
@@ -115,13 +116,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         rid = request.request_id
         if not context.add_callback(lambda: self.engine_thread.abort(rid, stream)):
             self.engine_thread.abort(rid, stream)  # the call already ended
-        while True:
-            out = stream.get()
+        for out in coalesced_outputs(stream):
             if out.error_kind in STATUS_OF_ERROR:
                 context.abort(STATUS_OF_ERROR[out.error_kind], out.error)
             yield chunk_from_output(out)
-            if out.finished:
-                return
 
     def _submission(self, request, context) -> Submission:
         """The request as the engine thread takes it; aborts the call when it is malformed."""

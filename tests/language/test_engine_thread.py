@@ -7,13 +7,14 @@ hand; the real receiver, in real processes, is in ``tests/e2e/test_language_idle
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from services.language.engine.request import ErrorKind, FinishReason
+from services.language.engine.request import ErrorKind, FinishReason, RequestOutput
 from services.language.engine.sampling import SamplingParams
 from services.language.engine_thread import (
     SHUTDOWN_ERROR,
@@ -21,6 +22,7 @@ from services.language.engine_thread import (
     EngineStoppedError,
     EngineThread,
     Submission,
+    coalesced_outputs,
 )
 from tests.language.conftest import make_image
 
@@ -178,3 +180,25 @@ def test_chats_are_tokenized_off_the_engine_thread_and_a_bad_one_fails_alone(set
     assert outs[-1].finish_reason == FinishReason.LENGTH
     assert sum(len(o.token_ids) for o in outs) == 3
     assert not thread.is_active("t2")
+
+
+def test_queued_outputs_are_sent_merged_and_an_error_is_never_merged():
+    def out(tokens, text, reason=FinishReason.NONE, kind=ErrorKind.NONE, **kw):
+        return RequestOutput("r", tokens, text, reason, error_kind=kind, **kw)
+
+    stream = queue.Queue()
+    merged = coalesced_outputs(stream)
+    stream.put(out([1], "a"))
+    assert next(merged) == out([1], "a")  # nothing behind it: sent at once, alone
+    for tokens, text in (([2], "b"), ([3, 4], "cd")):
+        stream.put(out(tokens, text))
+    stream.put(out([5], "e", FinishReason.LENGTH, num_completion_tokens=5))
+    assert list(merged) == [out([2, 3, 4, 5], "bcde", FinishReason.LENGTH, num_completion_tokens=5)]
+
+    stream = queue.Queue()
+    stream.put(out([1], "a"))
+    stream.put(out([], "", FinishReason.ERROR, ErrorKind.DEADLINE_EXCEEDED))
+    assert list(coalesced_outputs(stream)) == [
+        out([1], "a"),
+        out([], "", FinishReason.ERROR, ErrorKind.DEADLINE_EXCEEDED),
+    ]
