@@ -101,3 +101,13 @@ def resolve_compute(
     if native:
         return Compute(chosen, torch.bfloat16, f"auto: bfloat16, {why}")
     return Compute(chosen, torch.float32, f"auto: float32, {why}")
+
+
+def set_compute_threads(num_threads: int) -> int:
+    """Use ``num_threads`` intra-op threads in this process (0: leave torch's default); returns
+    the number in use."""
+    if num_threads < 0:
+        raise ValueError(f"compute_threads must be >= 0, got {num_threads}")
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    return torch.get_num_threads()

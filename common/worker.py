@@ -64,6 +64,11 @@ class WorkerConfig:
         "", help="address the gateway reaches this worker at ('' = the bind host)"
     )
     capacity: int = field(64, help="requests this worker takes at once (routing hint)")
+    compute_threads: int = field(
+        0,
+        help="threads the model's operators use (torch intra-op threads; 0 = torch's default, "
+        "one per core). Give each process its own cores' worth when several share a machine",
+    )
     heartbeat_interval_s: float = field(1.0, help="seconds between heartbeats to the gateway")
     metrics_port: int = field(0, help="Prometheus metrics HTTP port (0 = off)")
     health_port: int = field(
@@ -88,6 +93,8 @@ class WorkerConfig:
             )
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.compute_threads < 0:
+            raise ValueError(f"compute_threads must be >= 0, got {self.compute_threads}")
         parse_gateways(self.gateway)
         for name in ("metrics_port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from common.cli_config import add_cli_args, from_cli_args
+from common.compute import set_compute_threads
 from common.grpc_server import (
     Running,
     Server,
@@ -53,6 +54,8 @@ def serve(
 
     Stop with ``server.stop(grace)`` then ``service.close()``.
     """
+    num_threads = set_compute_threads(config.worker.compute_threads)
+    logger.info("encoder: %d compute threads", num_threads)
     service = EncoderService(model_path, config, sender)
     encode = f"/{SERVICE_NAME}/Encode"
     long_methods = (encode, f"/{SERVICE_NAME}/WaitEncoded")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from grpc_health.v1 import health
 
 from common.cli_config import add_cli_args, from_cli_args
+from common.compute import set_compute_threads
 from common.grpc_server import (
     Running,
     Server,
@@ -64,6 +65,7 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
     ``embedding_source`` (see ``receiving.py``) is where rooms' embeddings come from; without
     one, requests with a room fail and text-only requests work.
     """
+    num_threads = set_compute_threads(config.worker.compute_threads)
     engine = LanguageEngine(config, embedding_source)
     engine_thread = EngineThread(engine, config.max_waiting_requests)
     engine_thread.start()
@@ -81,7 +83,10 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
     port, health_servicer = start_server(
         server, config.host, config.port, (SERVICE_NAME,), config.worker.health_port
     )
-    logger.info("language worker on %s:%d: %s", config.host, port, describe(engine))
+    logger.info(
+        "language worker on %s:%d: %s, %d compute threads",
+        config.host, port, describe(engine), num_threads,
+    )  # fmt: skip
     return LanguageServer(server, engine_thread, health_servicer, port, embedding_source)
 
 
