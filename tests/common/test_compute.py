@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.compute import cpu_flags, cpu_native_bf16, resolve_compute
+from common.compute import cpu_flags, cpu_native_bf16, resolve_compute, set_compute_threads
+from common.worker import WorkerConfig
 
 ZEN5 = frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"})
 SAPPHIRE_RAPIDS = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
@@ -46,3 +47,16 @@ def test_this_machines_flags_are_read(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu avx512_bf16 sse\n\nflags\t: other\n")
     assert cpu_flags(info) == frozenset({"fpu", "avx512_bf16", "sse"})
     assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_compute_threads_are_set_per_process():
+    before = torch.get_num_threads()
+    try:
+        assert set_compute_threads(0) == before  # 0 leaves torch's default
+        assert set_compute_threads(1) == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="compute_threads must be >= 0"):
+        set_compute_threads(-1)
+    with pytest.raises(ValueError, match="compute_threads must be >= 0"):
+        WorkerConfig(compute_threads=-2)
