@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-stamp
 PROTO_SRC := $(wildcard protos/epd/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: setup apt proto run test test-slow lint bench clean
+.PHONY: setup apt proto run test test-slow lint bench bench-peers clean
 
 setup: apt $(STAMP) proto
 
@@ -54,6 +54,10 @@ lint: setup
 
 bench: setup
 	GLOG_minloglevel=2 MC_LOG_LEVEL=ERROR $(VPY) -m bench.run_all
+
+# ours vs vLLM's CPU build (installed into .peers/, never .venv); PEERS_ARGS="--quick --aiperf"
+bench-peers: setup
+	GLOG_minloglevel=2 MC_LOG_LEVEL=ERROR $(VPY) -m bench.peers $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info protos/epd/v1/*_pb2*.py*
