@@ -11,6 +11,7 @@ from services.language.engine.sampling import (
     NonFiniteLogitsError,
     SamplerState,
     SamplingParams,
+    row_max,
     sample,
     token_logprob,
 )
@@ -112,3 +113,22 @@ def test_top_logprobs_is_bounded():
     with pytest.raises(ValueError, match=r"top_logprobs must be in \[0, 20\], got 21"):
         SamplingParams(top_logprobs=21)
     assert SamplingParams(top_logprobs=3).wants_logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [151936, 1024, 100, 48])
+def test_row_max_equals_max_with_ties_and_non_finite_rows(dtype, vocab):
+    torch.manual_seed(vocab)
+    logits = torch.randn(7, vocab).to(dtype)
+    logits[1, 3] = logits[1, vocab - 1] = 50.0  # a tie: the first index wins
+    logits[2, vocab // 2] = float("nan")
+    logits[3, 5] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, 10:20] = 60.0  # a tie inside one block
+    values, indices = row_max(logits)
+    expected_values, expected_indices = logits.max(dim=-1)
+    assert torch.equal(indices, expected_indices)
+    assert torch.equal(values.isnan(), expected_values.isnan())
+    finite = ~values.isnan()
+    assert torch.equal(values[finite], expected_values[finite])
+    assert indices[1] == 3 and indices[5] == 10
