@@ -18,6 +18,7 @@ from common.linear_kernels import use_linear_kernel
 from common.models import checkpoint_files
 
 from .checkpoint import VISION_CLASS, Checkpoint
+from .patch_embed import patch_embed_as_linear
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class VisionTower:
         self.linear_kernel = use_linear_kernel(
             self.module, linear_kernel, self.device, self.dtype, "vision tower"
         )
+        if self.linear_kernel == "onednn" and patch_embed_as_linear(self.module):
+            logger.info("vision tower: patch embedding runs as a prepacked linear layer")
         self.row_width = checkpoint.row_width
         self.merge_size = int(checkpoint.config.vision_config.spatial_merge_size)
 
