@@ -116,7 +116,7 @@ def test_top_logprobs_is_bounded():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [151936, 1024, 100, 48])
+@pytest.mark.parametrize("vocab", [151936, 151669, 1024, 300, 100])
 def test_row_max_equals_max_with_ties_and_non_finite_rows(dtype, vocab):
     torch.manual_seed(vocab)
     logits = torch.randn(7, vocab).to(dtype)
@@ -125,6 +125,8 @@ def test_row_max_equals_max_with_ties_and_non_finite_rows(dtype, vocab):
     logits[3, 5] = float("inf")
     logits[4] = float("-inf")
     logits[5, 10:20] = 60.0  # a tie inside one block
+    logits[6, vocab - 1] = 70.0  # the max in the last columns
+    logits[0, vocab - 2] = float("nan")  # a NaN in the last columns only
     values, indices = row_max(logits)
     expected_values, expected_indices = logits.max(dim=-1)
     assert torch.equal(indices, expected_indices)

@@ -100,28 +100,36 @@ class SamplerState:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-MAX_BLOCK = 256  # widest block ``row_max`` reduces at once
+BLOCK = 256  # columns ``row_max`` reduces at once
 
 
 def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits.max(dim=-1)`` of ``logits`` [S, vocab]: each row's maximum and its first index
     (as argmax on ties; a NaN anywhere in a row is its max, as is a +inf).
 
-    NOTE: a max with indices over a whole 152k-wide bf16 row is a scalar loop on the CPU
-    (~0.85 ms for 16 rows); the vectorised ``amax`` of blocks, then the index within the one
-    winning block of each row, gives the same answer in a third of the time. Rows whose width
-    no power of two from 16 to ``MAX_BLOCK`` divides take the plain path.
+    NOTE: a max with indices over a whole 152k-wide row is a scalar loop on the CPU (~0.65 ms
+    for 16 fp32 rows, 0.85 ms in bf16); the vectorised ``amax`` of ``BLOCK``-wide blocks, then
+    the index inside each row's winning block, gives the same answer in a third of the time. A
+    vocabulary that is not a multiple of ``BLOCK`` has its last ``vocab % BLOCK`` columns
+    reduced on their own and compared after (the earlier columns win ties).
     """
     num_rows, vocab = logits.shape
-    block = next((b for b in (MAX_BLOCK, 128, 64, 32, 16) if vocab % b == 0), 0)
-    if not block or vocab == block:
+    body = vocab - vocab % BLOCK
+    if body == 0:
         return logits.max(dim=-1)
-    blocks = logits.view(num_rows, vocab // block, block)
-    block_max = blocks.amax(dim=-1)  # [S, vocab / block]; NaN propagates
+    blocks = logits[:, :body].view(num_rows, body // BLOCK, BLOCK)
+    block_max = blocks.amax(dim=-1)  # [S, body / BLOCK]; NaN propagates
     best_block = block_max.argmax(dim=-1)  # the first block holding the max (NaN counts as max)
     rows = torch.arange(num_rows, device=logits.device)
     within = blocks[rows, best_block].argmax(dim=-1)
-    return block_max[rows, best_block], best_block * block + within
+    values, indices = block_max[rows, best_block], best_block * BLOCK + within
+    if body == vocab:
+        return values, indices
+    tail_values, tail_indices = logits[:, body:].max(dim=-1)
+    tail_wins = (tail_values > values) | (tail_values.isnan() & ~values.isnan())
+    return torch.where(tail_wins, tail_values, values), torch.where(
+        tail_wins, tail_indices + body, indices
+    )
 
 
 class NonFiniteLogitsError(ValueError):
