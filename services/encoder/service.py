@@ -82,11 +82,13 @@ class EncoderService:
         self.sender = sender if sender is not None else create_sender(config, self.layout)
         tower = self.pipeline.tower
         logger.info(
-            "encoder: device %s, compute dtype %s, wire dtype %s, max prompt %d tokens",
+            "encoder: device %s, compute dtype %s, wire dtype %s, max prompt %d tokens, "
+            "linear kernel %s",
             tower.device,
             dtype_name(tower.dtype),
             dtype_name(self.layout.dtype),
             self.max_prompt_tokens,
+            tower.linear_kernel,
         )
         self.shipper = Shipper(
             self.sender, self.rooms, config.submit_retry_s, on_transfer_failed=self.cancel
