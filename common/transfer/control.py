@@ -11,13 +11,20 @@ closes the connection that carried it, and a real peer's socket reconnects by it
 ``idle_s`` is closed at the next send or ``close_idle``. Sockets are only opened for endpoints
 the owner decided to answer, i.e. after the frame naming them was authenticated.
 
-``recv`` sleeps in ``zmq.Poller`` until a frame comes, the timeout passes or another thread
-calls ``wake`` (a byte on a pipe the poller also watches): there is no periodic tick.
+``recv`` sleeps in ``zmq.Poller`` until a frame comes, the timeout passes, another thread
+calls ``wake`` (a byte on a pipe the poller also watches) or the alarm goes off: there is no
+periodic tick. The alarm (``set_alarm``, Linux: a ``timerfd`` the poller watches) lets any
+thread move the owner's next wake-up earlier without waking it now: a room added to a sleeping
+loop would otherwise cost a thread switch on the path of every small room, only to re-plan.
+Where no timerfd can be made, ``alarm`` is False and the owner wakes the loop instead.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import logging
+import math
 import os
 import threading
 import time
@@ -27,6 +34,8 @@ import zmq
 from protos.epd.v1 import transfer_pb2
 
 from .auth import FrameAuth
+
+logger = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 64 * 1024  # control frames are small; an init is the largest
 MAX_INIT_BLOCKS = 16_000  # block ids one init may list (at most ~48 KiB of them)
@@ -62,6 +71,9 @@ class ControlChannel:
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        self._alarm = _Alarm.create()
+        if self._alarm is not None:
+            self._poller.register(self._alarm.fd, zmq.POLLIN)
         # endpoint -> (socket, last use), least recently used first
         self._push: collections.OrderedDict[str, tuple[zmq.Socket, float]] = (
             collections.OrderedDict()
@@ -134,10 +146,23 @@ class ControlChannel:
         except (BlockingIOError, OSError):
             pass  # the pipe is full (a wake-up is already pending) or closed
 
+    @property
+    def alarm(self) -> bool:
+        """Whether ``set_alarm`` works (else the owner sleeps with a timeout and ``wake``s)."""
+        return self._alarm is not None
+
+    def set_alarm(self, due: float | None) -> None:
+        """Make ``recv`` return at ``time.monotonic()`` time ``due`` (None: disarm); it replaces
+        the previous alarm. Any thread; the caller serialises calls (the owner's lock)."""
+        assert self._alarm is not None
+        self._alarm.set(due)
+
     def recv(self, timeout_ms: int | None) -> list[bytes]:
         """Frames that arrived within ``timeout_ms`` (None: no limit), all that are queued up to
-        ``MAX_FRAMES_PER_RECV``; an empty list after a timeout or a ``wake``."""
+        ``MAX_FRAMES_PER_RECV``; an empty list after a timeout, a ``wake`` or the alarm."""
         events = dict(self._poller.poll(timeout_ms))
+        if self._alarm is not None and self._alarm.fd in events:
+            self._alarm.clear()
         if self._wake_r in events:
             try:
                 while os.read(self._wake_r, 4096):
@@ -166,3 +191,61 @@ class ControlChannel:
             self._ctx.term()
             os.close(self._wake_r)
             os.close(self._wake_w)
+            if self._alarm is not None:
+                self._alarm.close()
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+class _Alarm:
+    """A one-shot ``timerfd`` on CLOCK_MONOTONIC (``time.monotonic()``'s clock on Linux): it
+    becomes readable at the time it was set to, absolute, until read."""
+
+    CLOCK_MONOTONIC = 1
+    TFD_NONBLOCK = os.O_NONBLOCK
+    TFD_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
+    TFD_TIMER_ABSTIME = 1
+
+    def __init__(self, libc: ctypes.CDLL, fd: int) -> None:
+        self._libc = libc
+        self.fd = fd
+        self._spec = _Itimerspec()
+
+    @classmethod
+    def create(cls) -> _Alarm | None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.timerfd_create(cls.CLOCK_MONOTONIC, cls.TFD_NONBLOCK | cls.TFD_CLOEXEC)
+        except (OSError, AttributeError):  # not Linux
+            return None
+        if fd < 0:
+            errno = ctypes.get_errno()
+            logger.info("no timerfd (errno %d): control loops are woken by a pipe", errno)
+            return None
+        return cls(libc, fd)
+
+    def set(self, due: float | None) -> None:
+        value = self._spec.it_value
+        if due is None or not math.isfinite(due):
+            value.tv_sec = value.tv_nsec = 0  # disarmed
+        else:
+            ns = max(1, int(due * 1e9))  # all zero would disarm it
+            value.tv_sec, value.tv_nsec = divmod(ns, 1_000_000_000)
+        spec = ctypes.byref(self._spec)
+        if self._libc.timerfd_settime(self.fd, self.TFD_TIMER_ABSTIME, spec, None):
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+
+    def clear(self) -> None:
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.fd)

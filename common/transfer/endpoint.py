@@ -1,9 +1,10 @@
 """What the sender and the receiver share: buffers, allocator, transports, control loop.
 
 One background thread per side runs ``_loop``. It sleeps until the next real event: a control
-frame, a ``wake`` from another thread (an API call that added or moved a timer), or the earliest
-time something is due (``_next_due``: a room's bound, a heartbeat, a silence check, a
-quarantine expiry). With no rooms nothing is due and it sleeps until a frame or a call comes.
+frame, or the earliest time something is due (``_next_due``: a room's bound, a heartbeat, a
+silence check, a quarantine expiry), which an API call that adds or moves a timer brings
+forward with the channel's alarm (or, without one, a ``wake``). With no rooms nothing is due
+and it sleeps until a frame comes.
 After every wake-up it runs ``_on_tick``, which acts only on what is due.
 
 Every frame that comes off the socket is counted once as ``received`` and then exactly once as
@@ -93,12 +94,18 @@ class TransferEndpoint(ABC):
         return messages.envelope(self.endpoint, self.incarnation)
 
     def _wake(self) -> None:
-        """Timers changed outside the loop thread: wake it if something is now due before it
-        planned to wake by itself. A wake-up that changes nothing is a thread switch on the
-        path of every small room, so it is skipped (the loop finds the change when it wakes)."""
+        """Timers changed outside the loop thread: make it wake by the earliest of them. A
+        wake-up now is a thread switch on the path of every small room, only to re-plan: with
+        an alarm (``ControlChannel.set_alarm``) the loop's wake-up is moved earlier instead and
+        it sleeps on; without one it is woken, and only when something is now due before it
+        planned to wake by itself (else it finds the change when it wakes)."""
         with self._lock:
             due = self._next_due()
             if due is None or due >= self._sleep_until - WAKE_SLACK_S:
+                return
+            if self.channel.alarm:
+                self.channel.set_alarm(due)
+                self._sleep_until = due
                 return
         self.channel.wake()
 
@@ -111,9 +118,11 @@ class TransferEndpoint(ABC):
                 if self._closed.is_set():
                     return
                 raise
-            for frame in frames:
-                self._dispatch(frame)
+            # one hold of the lock for the frames and the timers: a consumer woken by a frame's
+            # handler does not wake again to find the lock taken back for the tick
             with self._lock:
+                for frame in frames:
+                    self._dispatch(frame)
                 self.num_wakeups += 1
                 try:
                     self._on_tick(time.monotonic())
@@ -122,7 +131,10 @@ class TransferEndpoint(ABC):
                 except Exception:  # a bug: keep serving, and look again a little later
                     logger.exception("transfer tick failed")
                     due = time.monotonic() + self.config.heartbeat_interval_s
-                if due is None:
+                if self.channel.alarm:  # sleep until a frame, a wake or the alarm
+                    self.channel.set_alarm(due)
+                    self._sleep_until = math.inf if due is None else due
+                elif due is None:
                     timeout_ms, self._sleep_until = None, math.inf
                 else:
                     now = time.monotonic()

@@ -79,8 +79,11 @@ class EmbeddingReceiver(ReceiverChunks):
         # Called (lock held: it must not block) whenever a room's outcome becomes available to
         # pop_done, so a consumer can sleep until there is something to pop.
         self.on_done: Callable[[], None] | None = None
+        # ``_done`` has a lock of its own: a consumer waiting in ``pop_done`` is woken by the
+        # loop thread that delivers a room and takes the list without queueing for the
+        # endpoint's lock, which that thread still holds (lock order: endpoint, then done)
+        self._done_ready = threading.Condition(threading.Lock())
         super().__init__(config, layout, shared=uses_shm(config.transport))
-        self._done_ready = threading.Condition(self._lock)  # no room exists before this
         self._init_template = self._make_init_template()
 
     # ---- public API -------------------------------------------------------------------------
@@ -120,7 +123,7 @@ class EmbeddingReceiver(ReceiverChunks):
 
         With ``timeout_s`` > 0, waits up to that long for at least one.
         """
-        with self._lock:
+        with self._done_ready:
             if not self._done and timeout_s > 0:
                 self._done_ready.wait(timeout_s)
             done, self._done = self._done, []
@@ -145,7 +148,8 @@ class EmbeddingReceiver(ReceiverChunks):
             if state is not None:
                 kind = FailureKind.ABORTED
                 self._fail(state, kind, kind.reason("by the receiver"), report=False)
-            self._done = [d for d in self._done if d[0] != room]
+            with self._done_ready:
+                self._done = [d for d in self._done if d[0] != room]
             self._finished.pop(room, None)
             self.release(room)
 
@@ -288,8 +292,9 @@ class EmbeddingReceiver(ReceiverChunks):
             self._report(state.room, outcome)
 
     def _report(self, room: int, outcome: ReceivedEmbeddings | TransferError | ReceivedChunk):
-        self._done.append((room, outcome))
-        self._done_ready.notify_all()
+        with self._done_ready:
+            self._done.append((room, outcome))
+            self._done_ready.notify_all()
         if self.on_done is not None:
             self.on_done()
 

@@ -92,3 +92,46 @@ def test_wake_returns_a_blocked_recv() -> None:
         channel.wake()
         thread.join(2.0)
         channel.close()
+
+
+def test_an_alarm_set_by_another_thread_returns_a_blocked_recv_at_its_time() -> None:
+    channel = ControlChannel("127.0.0.1", 0, FrameAuth(None, 10.0))
+    assert channel.alarm  # Linux: a timerfd
+    returned = threading.Event()
+    woke_at: list[float] = []
+
+    def block() -> None:
+        assert channel.recv(None) == []
+        woke_at.append(time.monotonic())
+        returned.set()
+
+    thread = threading.Thread(target=block, daemon=True)
+    try:
+        thread.start()
+        channel.set_alarm(time.monotonic() + 60.0)
+        assert not returned.wait(0.3)  # set from here, without waking the sleeper now
+        due = time.monotonic() + 0.2
+        channel.set_alarm(due)  # an earlier time replaces the later one
+        assert returned.wait(5.0)
+        assert woke_at[0] >= due
+    finally:
+        channel.wake()
+        thread.join(2.0)
+        channel.close()
+
+
+def test_a_disarmed_or_read_alarm_does_not_return_recv_again() -> None:
+    channel = ControlChannel("127.0.0.1", 0, FrameAuth(None, 10.0))
+    try:
+        channel.set_alarm(time.monotonic() - 1.0)  # already due: rings at once
+        assert channel.recv(2000) == []
+        start = time.monotonic()
+        assert channel.recv(300) == []  # read by the first recv: this one times out
+        assert time.monotonic() - start >= 0.25
+        channel.set_alarm(time.monotonic() + 0.1)
+        channel.set_alarm(None)  # disarmed before it rang
+        start = time.monotonic()
+        assert channel.recv(400) == []
+        assert time.monotonic() - start >= 0.35
+    finally:
+        channel.close()

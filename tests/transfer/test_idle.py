@@ -60,3 +60,23 @@ def test_a_timer_set_on_a_sleeping_loop_fires(make_receiver) -> None:
         assert bodies[0] == "init" and bodies[-1] == "abort"  # heartbeats in between
     finally:
         silent.close()
+
+
+def test_adding_a_room_moves_the_sleeping_loops_alarm_without_waking_it(make_receiver) -> None:
+    """The init goes out from the caller's thread; the loop, asleep with nothing due, is not
+    woken to re-plan (a thread switch on the path of every small room): its alarm is moved
+    to the room's first due time (here the first heartbeat, seconds away) instead."""
+    receiver = make_receiver(heartbeat_interval_s=5.0, heartbeat_timeout_s=20.0)
+    silent = Forger()  # takes the init and never answers
+    try:
+        time.sleep(0.2)
+        assert receiver.stats()["rooms_active"] == {}
+        before = _wakeups(receiver.stats())
+        room = new_room()
+        receiver.add_room(room, silent.endpoint, deadline=time.monotonic() + 60.0)
+        assert wait_for(lambda: [e.WhichOneof("body") for e in silent.replies(0.1)] == ["init"])
+        time.sleep(0.3)
+        assert _wakeups(receiver.stats()) == before
+        receiver.abort(room)
+    finally:
+        silent.close()
