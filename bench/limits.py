@@ -7,12 +7,13 @@ after the stages (the better of the two counts: on a shared host, the least dist
 * the encoder's ViT (``VisionTower``) on one 448x448 and one 1344x1344 image (896x896 with
   ``--quick``): analytic FLOPs (``bench.flops``) / seconds, as a fraction of the mm figure;
 * the language engine's prefill of a 2048-token prompt, the same way;
-* the engine's batch-1 decode: bytes one step must read (every weight once + the KV cache) /
-  step time, as a fraction of the copy bandwidth.
+* the engine's decode at batch 1 and at batch 16: bytes one step must read (every weight once +
+  the KV cache) / step time, as a fraction of the copy bandwidth.
 
 Goal for every ratio: >= 0.6. ``python -m bench.limits [--size demo|bench] [--quick]
-[--device auto|cpu|cuda] [--dtype auto|fp32|bf16]``; ``--size bench`` (Qwen2.5-VL-3B widths,
-4+4 layers) is the meaningful one: the demo model's layers are too narrow to load any machine.
+[--device auto|cpu|cuda] [--dtype auto|fp32|bf16]`` (auto: what the services pick);
+``--size bench`` (Qwen2.5-VL-3B widths, 4+4 layers) is the meaningful one: the demo model's
+layers are too narrow to load any machine.
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ from pathlib import Path
 
 import torch
 
-from bench.flops import VitShape, decode_bytes, prefill_flops, vit_flops
+from bench.flops import VitShape, decode_bytes, kv_bytes, prefill_flops, vit_flops
+from common.compute import resolve_compute
+from common.linear_kernels import PackedLinear
 from common.models.tiny import ensure_tiny_model
 
 GOAL = 0.6
 IMAGE_SIZES = (448, 1344)
 QUICK_IMAGE_SIZES = (448, 896)  # 1344x1344 is 2 TFLOP on the bench ViT: a minute on 2 cores
 PROMPT_LEN = 2048
+DECODE_BATCH = 16  # requests decoding together in the batched decode stage
+DECODE_PROMPT_LEN = 128
+DECODE_STEPS = 24
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -222,13 +228,40 @@ def measure_language(
             "B/s",
         )
     )
+    rows.append(measure_batched_decode(engine, submit, device, ref))
     return rows
+
+
+def measure_batched_decode(engine, submit, device: torch.device, ref: Reference) -> Stage:
+    """``DECODE_BATCH`` requests of ``DECODE_PROMPT_LEN`` tokens decoding together: bytes one
+    step reads (the weights once, every request's KV) / median step time."""
+    for _ in range(DECODE_BATCH):
+        submit(DECODE_STEPS + 1, DECODE_PROMPT_LEN)
+    while any(not r.output_ids for r in engine.requests.values()):
+        engine.step()  # the prefills (and the first tokens)
+    steps = []
+    while engine.has_work():
+        start = time.perf_counter()
+        engine.step()
+        _sync(device)
+        steps.append(time.perf_counter() - start)
+    step_s = statistics.median(steps)
+    context = DECODE_PROMPT_LEN + DECODE_STEPS // 2
+    mc, itemsize = engine.model_config, engine.dtype.itemsize
+    nbytes = _decode_weight_bytes(engine.model) + DECODE_BATCH * kv_bytes(mc, context, itemsize)
+    name = f"decode batch {DECODE_BATCH}, {context} ctx"
+    return Stage(name, nbytes, step_s, nbytes / step_s, ref.copy_bytes_per_s, "B/s")
 
 
 def _decode_weight_bytes(model: torch.nn.Module) -> int:
     """Weights one decode step reads: all of them once, except an untied embedding table, of
-    which it reads one row (a tied table is read whole, as the LM head)."""
+    which it reads one row (a tied table is read whole, as the LM head). Prepacked linears
+    (``PackedLinear``) hold their weights as buffers: counted by their shapes."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied one once
+    itemsize = model.embed_tokens.weight.element_size()
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            total += module.in_features * module.out_features * itemsize
     if getattr(model, "lm_head", None) is not None:
         table = model.embed_tokens.weight
         total -= table.numel() * table.element_size()
@@ -242,8 +275,10 @@ def bench(args: argparse.Namespace) -> dict:
         devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     runs = []
     for device in map(torch.device, devices):
-        name = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-        dtype = DTYPES[name]
+        if args.dtype == "auto":  # what the services pick (common/compute.py)
+            dtype = resolve_compute(str(device), "auto").dtype
+        else:
+            dtype = DTYPES[args.dtype]
         first = measure_reference(device, dtype, args.quick)
         stages = measure_vit(path, device, dtype, first, args.quick)
         stages += measure_language(path, device, dtype, first, args.quick)
@@ -299,7 +334,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("auto", *DTYPES),
         default="auto",
-        help="auto: bf16 on CUDA, fp32 on CPU (bf16 is several times slower on CPU)",
+        help="auto: what the services pick (bf16 on CUDA and on a CPU with native bf16)",
     )
 
 

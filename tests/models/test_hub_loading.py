@@ -91,7 +91,7 @@ def test_vision_weights_equal_transformers_load(arch, tied, hub_checkpoint) -> N
     assert state.keys() == hf_visual.keys()
     assert all(v.dtype == torch.bfloat16 for v in state.values())
     assert all(torch.equal(v.float(), hf_visual[k]) for k, v in state.items())
-    tower = VisionTower(load_checkpoint(path), device="cpu")
+    tower = VisionTower(load_checkpoint(path), device="cpu", dtype="float32")
     mine = tower.module.state_dict()
     assert mine.keys() == hf_visual.keys()
     assert all(torch.equal(v, hf_visual[k]) for k, v in mine.items())
