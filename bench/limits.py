@@ -209,14 +209,8 @@ def measure_language(
     ]
     submit(num_decode + 1)
     engine.step()  # the prefill step, which also yields the first token
-    steps = []
-    while engine.has_work():
-        start = time.perf_counter()
-        engine.step()
-        _sync(device)
-        steps.append(time.perf_counter() - start)
-    step_s = statistics.median(steps)
-    context = prompt_len + len(steps) // 2  # the median step's KV length (about)
+    step_s, num_steps = _median_step_s(engine, device)
+    context = prompt_len + num_steps // 2  # the median step's KV length (about)
     nbytes = decode_bytes(_decode_weight_bytes(engine.model), mc, context, dtype.itemsize)
     rows.append(
         Stage(
@@ -232,6 +226,17 @@ def measure_language(
     return rows
 
 
+def _median_step_s(engine, device: torch.device) -> tuple[float, int]:
+    """Step ``engine`` until idle: (median step seconds, number of steps)."""
+    steps = []
+    while engine.has_work():
+        start = time.perf_counter()
+        engine.step()
+        _sync(device)
+        steps.append(time.perf_counter() - start)
+    return statistics.median(steps), len(steps)
+
+
 def measure_batched_decode(engine, submit, device: torch.device, ref: Reference) -> Stage:
     """``DECODE_BATCH`` requests of ``DECODE_PROMPT_LEN`` tokens decoding together: bytes one
     step reads (the weights once, every request's KV) / median step time."""
@@ -239,13 +244,7 @@ def measure_batched_decode(engine, submit, device: torch.device, ref: Reference)
         submit(DECODE_STEPS + 1, DECODE_PROMPT_LEN)
     while any(not r.output_ids for r in engine.requests.values()):
         engine.step()  # the prefills (and the first tokens)
-    steps = []
-    while engine.has_work():
-        start = time.perf_counter()
-        engine.step()
-        _sync(device)
-        steps.append(time.perf_counter() - start)
-    step_s = statistics.median(steps)
+    step_s, _ = _median_step_s(engine, device)
     context = DECODE_PROMPT_LEN + DECODE_STEPS // 2
     mc, itemsize = engine.model_config, engine.dtype.itemsize
     nbytes = _decode_weight_bytes(engine.model) + DECODE_BATCH * kv_bytes(mc, context, itemsize)
