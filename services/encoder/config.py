@@ -26,9 +26,10 @@ class EncoderConfig:
     host: str = field("127.0.0.1", help="address the gRPC server binds")
     port: int = field(0, help="gRPC port; 0 picks a free port")
     grpc_workers: int = field(
-        8,
+        64,
         help="concurrent Encode/WaitEncoded calls (image decoding runs on them); more get "
-        "RESOURCE_EXHAUSTED (8 more threads serve health, GetLoad and Cancel)",
+        "RESOURCE_EXHAUSTED and the gateway retries them later (8 more threads serve health, "
+        "GetLoad and Cancel)",
     )
     max_message_mb: int = field(64, help="max gRPC receive message size in MiB")
     device: str = field("auto", help="auto (cuda when present, else cpu) | cpu | cuda | cuda:N")

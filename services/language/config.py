@@ -64,9 +64,11 @@ class LanguageConfig:
     )
     grpc_max_message_mb: int = field(64, help="gRPC max message size, MiB")
     grpc_workers: int = field(
-        32,
-        help="concurrent Generate streams; more get RESOURCE_EXHAUSTED (8 more threads serve "
-        "health, GetLoad and Abort)",
+        256,
+        help="concurrent Generate streams (one thread each, asleep while its request waits); "
+        "more get RESOURCE_EXHAUSTED and the gateway retries them later (8 more threads serve "
+        "health, GetLoad and Abort). Keep it at least max_running_requests: fewer streams cap "
+        "the decode batch",
     )
     transfer: TransferConfig = field(TransferConfig(), help="the transfer plane (EPD_TRANSFER_*)")
     worker: WorkerConfig = field(WorkerConfig(), help="registration and metrics")
