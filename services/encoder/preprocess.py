@@ -1,4 +1,5 @@
-"""RGB image -> ViT patches: smart_resize, then the checkpoint's image processor (PIL backend).
+"""RGB image -> ViT patches: smart_resize, then the checkpoint's image processor (PIL backend),
+or the lookup table that gives the same values in one pass (``patches.py``).
 
 The image processor is called with ``do_resize=False`` on an image we resized ourselves with the
 same filter (bicubic), so the token count is known from ``smart_resize`` alone and the result
@@ -16,6 +17,7 @@ import xxhash
 from PIL import Image
 
 from .checkpoint import Checkpoint
+from .patches import PatchCutter
 from .resize import smart_resize
 from .types import PreparedImage
 
@@ -54,6 +56,7 @@ class ImagePreprocessor:
             "temporal_patch_size": int(proc.temporal_patch_size),
         }
         self._params_digest = xxhash.xxh3_128(json.dumps(params, sort_keys=True).encode()).digest()
+        self._cutter = PatchCutter.for_processor(proc)  # None: the processor cuts the patches
 
     def target_size(self, width: int, height: int) -> tuple[int, int]:
         """(height, width) the image is resized to."""
@@ -87,14 +90,21 @@ class ImagePreprocessor:
         if (img.height, img.width) != (height, width):
             img = img.resize((width, height), Image.Resampling.BICUBIC)
         grid = (1, height // self.patch_size, width // self.patch_size)
-        out = self._processor(images=[img], do_resize=False, return_tensors="pt")
-        if tuple(int(x) for x in out["image_grid_thw"][0]) != grid:
-            raise RuntimeError(f"image processor grid {out['image_grid_thw'][0]} != {grid}")
+        if self._cutter is not None:
+            pixel_values = self._cutter(img)
+        else:
+            out = self._processor(images=[img], do_resize=False, return_tensors="pt")
+            if tuple(int(x) for x in out["image_grid_thw"][0]) != grid:
+                raise RuntimeError(f"image processor grid {out['image_grid_thw'][0]} != {grid}")
+            pixel_values = out["pixel_values"]
+        expected = (grid[1] * grid[2], self.patch_values)
+        if tuple(pixel_values.shape) != expected:
+            raise RuntimeError(f"patches {tuple(pixel_values.shape)} != {expected}")
         return PreparedImage(
             key=key,
             grid_thw=grid,
             num_tokens=grid[0] * grid[1] * grid[2] // self.merge_size**2,
-            pixel_values=out["pixel_values"],
+            pixel_values=pixel_values,
         )
 
     def cached(self, rows: torch.Tensor, key: bytes, img: Image.Image) -> PreparedImage:

@@ -1,0 +1,80 @@
+"""RGB pixels -> the ViT's flat patches, bit for bit what the checkpoint's image processor gives,
+in one table lookup per value.
+
+transformers' PIL-backend processor rescales the 8-bit pixels in float64 (``v * 1/255``), casts
+to float32, normalizes per channel (``(v - mean) / std`` in float32) and cuts the image into
+patches with numpy, a few passes over the image. Every output value depends on one input byte
+and its channel only, so a ``[channels, 256]`` table computed with the same operations in the
+same dtypes gives the same float32 values in one pass; the patch layout is the processor's
+(``patchify``): ``[grid_h * grid_w, channels * temporal * patch * patch]``, the frame repeated
+``temporal`` times.
+
+``PatchCutter.for_processor`` checks the table against the processor itself on a probe image
+holding every byte value in every channel, and returns None (the caller keeps the processor)
+when a setting it does not reproduce is on or the probe differs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from PIL import Image
+
+logger = logging.getLogger(__name__)
+
+
+class PatchCutter:
+    def __init__(
+        self,
+        table: np.ndarray,
+        patch_size: int,
+        merge_size: int,
+        temporal_patch_size: int,
+    ) -> None:
+        self.table = table  # float32 [channels, 256]: each byte value's output, per channel
+        self.patch_size = patch_size
+        self.merge_size = merge_size
+        self.temporal_patch_size = temporal_patch_size
+
+    @classmethod
+    def for_processor(cls, proc) -> PatchCutter | None:
+        """A cutter equal to ``proc`` (a Qwen-VL image processor), or None."""
+        if not (proc.do_rescale and proc.do_normalize):
+            return None
+        mean = np.asarray(proc.image_mean, dtype=np.float32)
+        std = np.asarray(proc.image_std, dtype=np.float32)
+        scaled = (np.arange(256, dtype=np.float64) * proc.rescale_factor).astype(np.float32)
+        table = ((scaled[None, :] - mean[:, None]) / std[:, None]).astype(np.float32)
+        cutter = cls(
+            table, int(proc.patch_size), int(proc.merge_size), int(proc.temporal_patch_size)
+        )
+        probe = cutter.probe_image()
+        expected = proc(images=[probe], do_resize=False, return_tensors="pt")["pixel_values"]
+        if not torch.equal(cutter(probe), expected):
+            logger.warning("image patches: the lookup table differs from the processor; using it")
+            return None
+        return cutter
+
+    def probe_image(self) -> Image.Image:
+        """An RGB image with every byte value in every channel, a whole number of merged patches
+        high and wide."""
+        side = self.patch_size * self.merge_size
+        width = side * -(-256 // side)  # >= 256 columns
+        values = np.arange(width * side, dtype=np.int64).reshape(side, width) % 256
+        rgb = np.stack([values, np.roll(values, 85, axis=1), np.roll(values, 170, axis=1)], -1)
+        return Image.fromarray(rgb.astype(np.uint8), "RGB")
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        """Flat float32 patches of ``img`` (RGB, sides multiples of patch * merge)."""
+        pixels = np.asarray(img)  # [H, W, C] uint8
+        height, width, channels = pixels.shape
+        planes = np.stack([self.table[c][pixels[..., c]] for c in range(channels)])  # [C, H, W]
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        grid_h, grid_w = height // p, width // p
+        patches = planes.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
+        patches = patches.transpose(1, 4, 2, 5, 0, 3, 6)  # (gh, gw, mh, mw, C, ph, pw)
+        patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], t, p, p))
+        flat = patches.reshape(grid_h * grid_w, channels * t * p * p)
+        return torch.from_numpy(np.ascontiguousarray(flat))
