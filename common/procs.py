@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.channels import ChannelSecurity, create_channel
+from common.drain import READINESS
 
 # Environment every serving process starts with (the caller's own values win).
 # NOTE: torch's OpenMP threads spin for milliseconds after each parallel op by default; on a
@@ -123,15 +124,17 @@ class ServiceProcess:
         return self.proc.poll() is None
 
     def wait_healthy(self, timeout_s: float) -> None:
-        """Block until the service is SERVING; raise with the log tail if it dies or stalls."""
+        """Block until the service is ready (its readiness, ``common.drain.READINESS``, is
+        SERVING: a gateway turns ready ``--ready-delay-s`` after it started, later than it
+        answers at all); raise with the log tail if it dies or stalls."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
-            if check_health(self.address, timeout_s=0.5, security=self.security):
+            if check_health(self.address, 0.5, READINESS, self.security):
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f}s:\n{self.tail()}")
+        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s:\n{self.tail()}")
 
     def tail(self, num_lines: int = 30) -> str:
         try:
