@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from common.linear_kernels import LINEAR_KERNELS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # what a config's ``device`` may say
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # either one: bf16 dot products in hardware
@@ -37,8 +39,6 @@ class Compute:
 def check_compute_settings(device: str, dtype: str, linear_kernel: str) -> None:
     """A config's ``device``, ``dtype`` and ``linear_kernel``: a ``ValueError`` naming the bad
     one."""
-    from common.linear_kernels import LINEAR_KERNELS
-
     if not DEVICE_PATTERN.fullmatch(device):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if dtype not in DTYPES:
