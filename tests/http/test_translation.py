@@ -15,7 +15,7 @@ from services.gateway.http import schemas
 from services.gateway.http.convert import FieldNames, to_generate_request
 from services.gateway.http.dashboard import percentile, worker_id
 from services.gateway.http.errors import STATUS, from_gateway
-from services.gateway.http.replies import ChunkWriter, Head, completion
+from services.gateway.http.replies import ChunkWriter, Head, completion, event
 from services.gateway.validation import RequestLimits
 
 
@@ -164,3 +164,12 @@ def test_percentile_and_worker_names() -> None:
     assert worker_id("10.0.0.1:5", "encoder") == worker_id("10.0.0.1:5", "encoder")
     assert worker_id("10.0.0.1:5", "encoder") != worker_id("10.0.0.2:5", "encoder")
     assert "10.0.0.1" not in worker_id("10.0.0.1:5", "encoder")
+
+
+def test_an_event_stays_one_line_whatever_the_text_holds():
+    text = "a\u2028b\x85c\u2029d\u00e9\n\r\x1ce"  # what str.splitlines takes for line breaks
+    raw = event({"content": text})
+    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+    lines = raw.decode().splitlines()
+    assert lines[1:] == [""]  # one line for any splitter, then the blank line that ends it
+    assert json.loads(lines[0][len("data: ") :]) == {"content": text}

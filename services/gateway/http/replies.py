@@ -23,9 +23,17 @@ def dumps(obj: dict) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+# NOTE: JSON allows these raw inside strings and SSE splits lines on CR and LF only, but clients
+# that split with str.splitlines (httpx's iter_lines, among others) break an event's line at them;
+# generated text can hold any of them. Escaped, the JSON is the same and the line stays whole.
+LINE_BREAKS_OUTSIDE_SSE = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_ESCAPE_LINE_BREAKS = str.maketrans(LINE_BREAKS_OUTSIDE_SSE)
+
+
 def event(obj: dict) -> bytes:
-    """One Server-Sent Event carrying ``obj`` as JSON."""
-    return b"data: " + dumps(obj) + b"\n\n"
+    """One Server-Sent Event carrying ``obj`` as JSON, on one line for any line splitter."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + text.translate(_ESCAPE_LINE_BREAKS).encode() + b"\n\n"
 
 
 def usage(u: gateway_pb2.Usage) -> dict:
