@@ -92,24 +92,15 @@ def parse_export(export: dict) -> AiperfResult:
     )
 
 
-def run_aiperf(
-    aiperf: Path,
-    url: str,
-    model: str,
-    tokenizer: Path,
-    artifact_dir: Path,
-    concurrency: int = CONCURRENCY,
-    requests: int = REQUESTS,
-    timeout_s: float = TIMEOUT_S,
-) -> AiperfResult:
-    """One ``aiperf profile`` against ``url``; its console output goes to ``aiperf.log`` in
-    ``artifact_dir``. Raises with the log's tail when it fails (a run past ``timeout_s`` is
-    stopped, with every process it started)."""
+def run_aiperf(argv: list[str], artifact_dir: Path, timeout_s: float = TIMEOUT_S) -> AiperfResult:
+    """One ``aiperf profile`` (``argv``, as ``command`` builds it for ``artifact_dir``); its
+    console output goes to ``aiperf.log`` in ``artifact_dir``. Raises with the log's tail when it
+    fails (a run past ``timeout_s`` is stopped, with every process it started)."""
     artifact_dir.mkdir(parents=True, exist_ok=True)
     log = artifact_dir / "aiperf.log"
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "PYTHONPATH")}
-    argv = command(aiperf, url, model, tokenizer, artifact_dir, concurrency, requests)
-    python = aiperf.parent / "python"
+    python = Path(argv[0]).parent / "python"  # the aiperf venv's own
+    url = argv[argv.index("--url") + 1]
     with open(log, "wb") as out:
         proc = children.spawn(python, argv, out, env, artifact_dir)
         try:

@@ -143,9 +143,9 @@ class Session:
 
     def run_aiperf(self, system: str, url: str, aiperf_cmd: Path) -> None:
         """aiperf against ``url``, then our client on the same workload."""
-        result = aiperf.run_aiperf(
-            aiperf_cmd, url, self.model_of(url), self.model_dir, self.tmp / f"aiperf-{system}"
-        )
+        artifacts = self.tmp / f"aiperf-{system}"
+        argv = aiperf.command(aiperf_cmd, url, self.model_of(url), self.model_dir, artifacts)
+        result = aiperf.run_aiperf(argv, artifacts)
         self.aiperf["aiperf"][system] = result.as_dict()
         say(f"  aiperf -> {system}: {result.requests_per_s:.2f} req/s")
         bodies = self.bodies(url, "image", aiperf.REQUESTS)
