@@ -152,9 +152,12 @@ def test_other_refusals(gateway, sent) -> None:
     error = assert_error(post(gateway, big), 413, None, [f"limit of {MAX_MESSAGE_MB} MiB"])
     assert error["code"] == "request_too_large"
     sent["RESOURCE_EXHAUSTED"] = 1
-    timeout = {"X-Request-Timeout": "-1"}
-    assert_error(post(gateway, base(), timeout), 400, "X-Request-Timeout", ["positive number"])
-    sent["INVALID_ARGUMENT"] = sent.get("INVALID_ARGUMENT", 0) + 1
+    # not positive, below a millisecond (a fuzzer's 1.1e-308 was a 504), not finite
+    for value in ("-1", "0", "1.1e-308", "0.0009", "inf", "nan"):
+        timeout = {"X-Request-Timeout": value}
+        assert_error(post(gateway, base(), timeout), 400, "X-Request-Timeout",
+                     ["finite number of seconds, at least 0.001"])  # fmt: skip
+        sent["INVALID_ARGUMENT"] = sent.get("INVALID_ARGUMENT", 0) + 1
     for stream in (False, True):  # a valid request with no worker to serve it
         reply = post(gateway, edit(lambda b: None, stream=stream))
         error = assert_error(reply, 503, None, ["no healthy language worker"])

@@ -104,10 +104,16 @@ def _error(error: HttpError) -> Response:
     return Response(error.encoded(), error.status, error.headers(), "application/json")
 
 
+MIN_TIMEOUT_S = 1e-3  # a deadline shorter than a millisecond cannot be met: the client's mistake
+
+
 def _timeout_s(value: float | None) -> float | None:
-    if value is not None and not (math.isfinite(value) and value > 0):
+    """``X-Request-Timeout`` in seconds: finite and at least ``MIN_TIMEOUT_S`` (else a 400, not
+    a 504 for a deadline that was over before the request was read)."""
+    if value is not None and not (math.isfinite(value) and value >= MIN_TIMEOUT_S):
         raise invalid(
-            f"X-Request-Timeout must be a positive number of seconds, got {value}",
+            f"X-Request-Timeout must be a finite number of seconds, at least {MIN_TIMEOUT_S:g}, "
+            f"got {value}",
             "X-Request-Timeout",
         )
     return value
