@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from dataclasses import dataclass, fields
@@ -36,6 +37,8 @@ MAX_TEMPERATURE = 100.0
 MIN_POSITIVE_TEMPERATURE = 1e-2
 DATA_URL_PREFIX_CHARS = 256  # room for "data:image/png;base64," and the like
 MAX_TOP_LOGPROBS = 20  # most likely tokens per step a request may ask for (as other APIs)
+MAX_STRUCTURED_CHARS = 1 << 16  # a structured output's schema, regex or grammar, at most
+MAX_CHOICES = 256  # strings a structured output's choice may list
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,43 @@ def _validate_image(image, where: str, limits: RequestLimits) -> None:
         )
 
 
+def _validate_structured(so) -> None:
+    """Shapes and sizes only: whether it is a usable language is the language worker's to say
+    (it compiles it against the checkpoint's tokenizer)."""
+    kind = so.WhichOneof("kind")
+    where = f"sampling.structured_output.{kind}"
+    if kind is None:
+        raise invalid("sampling.structured_output must set one of json_schema, json_object, "
+                      "regex, choice, grammar")  # fmt: skip
+    if kind == "json_object":
+        if not so.json_object:
+            raise invalid(f"{where} must be true when set")
+        return
+    if kind == "choice":
+        choices = so.choice.choices
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise invalid(f"{where} must list 1 to {MAX_CHOICES} strings, got {len(choices)}")
+        for i, choice in enumerate(choices):
+            if not choice:
+                raise invalid(f"{where}.choices[{i}] must not be empty")
+        total = sum(len(c) for c in choices)
+    else:
+        total = len(getattr(so, kind))
+        if not total:
+            raise invalid(f"{where} must not be empty")
+    if total > MAX_STRUCTURED_CHARS:
+        raise invalid(
+            f"{where} is {total} characters, more than the limit of {MAX_STRUCTURED_CHARS}"
+        )
+    if kind == "json_schema":
+        try:
+            schema = json.loads(so.json_schema)
+        except ValueError as exc:
+            raise invalid(f"{where} is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise invalid(f"{where} must be a JSON schema (an object), got {type(schema).__name__}")
+
+
 def _validate_sampling(request: gateway_pb2.GenerateRequest, limits: RequestLimits) -> None:
     s = request.sampling
     if s.max_new_tokens > limits.max_new_tokens_limit:
@@ -191,6 +231,8 @@ def _validate_sampling(request: gateway_pb2.GenerateRequest, limits: RequestLimi
         raise invalid(
             f"sampling.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}"
         )
+    if s.HasField("structured_output"):
+        _validate_structured(s.structured_output)
     if len(s.stop_token_ids) > limits.max_stop_token_ids:
         raise invalid(
             f"sampling.stop_token_ids has {len(s.stop_token_ids)} entries, more than the limit "

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from services.language.engine.engine import LanguageEngine
+from services.language.engine.grammar import Guide
 from services.language.engine.outputs import EngineLoad
 from services.language.engine.request import ErrorKind, FinishReason, RequestError, RequestOutput
 from services.language.engine.sampling import SamplingParams
@@ -54,6 +55,7 @@ class Submission:
     room: int = 0
     encoder_endpoint: str = ""
     deadline: float | None = None  # the caller's (time.monotonic clock)
+    guide: Guide | None = None  # structured output's, made on the caller's thread
 
 
 class EngineThread:
@@ -88,18 +90,21 @@ class EngineThread:
     def submit(self, sub: Submission) -> queue.Queue[RequestOutput]:
         """Queue ``sub``; raises QueueFullError, DuplicateRequestError or EngineStoppedError.
 
-        A chat is tokenized here, on the caller's thread, so that the engine thread spends no
-        step time on chat templates; a chat that cannot be tokenized ends its request alone
-        (its stream gets the error)."""
+        A chat is tokenized, and a structured output compiled, here, on the caller's thread, so
+        that the engine thread spends no step time on chat templates or grammars; a chat that
+        cannot be tokenized or a grammar that cannot be compiled ends its request alone (its
+        stream gets the error)."""
         stream: queue.Queue[RequestOutput] = queue.Queue()
         failure = None
-        if sub.messages is not None:
-            try:
+        try:
+            if sub.messages is not None:
                 sub = replace(
                     sub, inputs=self.engine.tokenize_messages(sub.messages), messages=None
                 )
-            except Exception as exc:  # a bad chat must not take anything else down
-                failure = exc
+            if sub.params.structured is not None:
+                sub = replace(sub, guide=self.engine.grammars.guide(sub.params.structured))
+        except Exception as exc:  # a bad chat or grammar must not take anything else down
+            failure = exc
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError(SHUTDOWN_ERROR)
@@ -145,7 +150,13 @@ class EngineThread:
             self._num_pending -= 1
         try:
             self.engine.add_request(
-                sub.request_id, sub.params, sub.inputs, sub.room, sub.encoder_endpoint, sub.deadline
+                sub.request_id,
+                sub.params,
+                sub.inputs,
+                sub.room,
+                sub.encoder_endpoint,
+                sub.deadline,
+                sub.guide,
             )
         except Exception as exc:  # a bad request must not take the engine down
             with self._lock:
@@ -219,6 +230,7 @@ class EngineThread:
                 )
             )
         self._load = self.engine.load()
+        self.engine.grammars.close()
 
 
 def _error_output(request_id: str, exc: Exception) -> RequestOutput:

@@ -18,7 +18,7 @@ import grpc
 from common.transfer.layout import dtype_name, parse_dtype
 from protos.epd.v1 import common_pb2, language_pb2, language_pb2_grpc
 from services.language.engine.request import ErrorKind, RequestOutput
-from services.language.engine.sampling import SamplingParams
+from services.language.engine.sampling import SamplingParams, StructuredOutput
 from services.language.engine_thread import (
     DuplicateRequestError,
     EngineStoppedError,
@@ -49,7 +49,21 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
         top_logprobs=p.top_logprobs,
+        structured=structured_from_proto(p.structured_output)
+        if p.HasField("structured_output")
+        else None,
     )
+
+
+def structured_from_proto(p: common_pb2.StructuredOutput) -> StructuredOutput | None:
+    kind = p.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutput.choice(list(p.choice.choices))
+    if kind == "json_object":
+        return StructuredOutput("json_object") if p.json_object else None
+    return StructuredOutput(kind, getattr(p, kind))
 
 
 def messages_from_proto(messages) -> list[dict]:

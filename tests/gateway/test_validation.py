@@ -147,6 +147,46 @@ BAD = {
     "negative top_p": (make_request(top_p=-0.1), ["sampling.top_p"]),
     "top_k below -1": (make_request(top_k=-2), ["sampling.top_k must be in [-1, 1000]", "-2"]),
     "top_k above the limit": (make_request(top_k=1001), ["sampling.top_k", "1001"]),
+    "structured output with no kind": (
+        make_request(structured_output=common_pb2.StructuredOutput()),
+        ["sampling.structured_output must set one of json_schema"],
+    ),
+    "json_object false": (
+        make_request(structured_output=common_pb2.StructuredOutput(json_object=False)),
+        ["sampling.structured_output.json_object must be true when set"],
+    ),
+    "empty grammar": (
+        make_request(structured_output=common_pb2.StructuredOutput(grammar="")),
+        ["sampling.structured_output.grammar must not be empty"],
+    ),
+    "schema not JSON": (
+        make_request(structured_output=common_pb2.StructuredOutput(json_schema="{nope")),
+        ["sampling.structured_output.json_schema is not valid JSON"],
+    ),
+    "schema a list": (
+        make_request(structured_output=common_pb2.StructuredOutput(json_schema="[1]")),
+        ["sampling.structured_output.json_schema must be a JSON schema (an object), got list"],
+    ),
+    "schema too long": (
+        make_request(
+            structured_output=common_pb2.StructuredOutput(json_schema='"' + "a" * 70000 + '"')
+        ),
+        ["sampling.structured_output.json_schema is 70002 characters", "limit of 65536"],
+    ),
+    "no choices": (
+        make_request(
+            structured_output=common_pb2.StructuredOutput(choice=common_pb2.StringChoice())
+        ),
+        ["sampling.structured_output.choice must list 1 to 256 strings, got 0"],
+    ),
+    "an empty choice": (
+        make_request(
+            structured_output=common_pb2.StructuredOutput(
+                choice=common_pb2.StringChoice(choices=["a", ""])
+            )
+        ),
+        ["sampling.structured_output.choice.choices[1] must not be empty"],
+    ),
     "top_logprobs above 20": (
         make_request(top_logprobs=21),
         ["sampling.top_logprobs must be in [0, 20]", "21"],

@@ -211,6 +211,60 @@ CASES: dict[str, tuple[dict, dict, str, list[str]]] = {
         "stop[0]",
         ["stop[0] is 9 characters", "limit of 8"],
     ),
+    "structured output with no kind": (
+        edit(lambda b: None, response_format={}),
+        {},
+        "response_format.type",
+        ["response_format.type must be 'text', 'json_object' or 'json_schema', got None"],
+    ),
+    "json_object false": (
+        edit(lambda b: None, structured_outputs={"json_object": 5}),
+        {},
+        "structured_outputs.json_object",
+        ["structured_outputs.json_object", "valid boolean"],
+    ),
+    "empty grammar": (
+        edit(lambda b: None, guided_grammar=""),
+        {},
+        "guided_grammar",
+        ["guided_grammar must be a non-empty string"],
+    ),
+    "schema not JSON": (
+        edit(lambda b: None, guided_json="{nope"),
+        {},
+        "guided_json",
+        ["guided_json is not valid JSON"],
+    ),
+    "schema a list": (
+        edit(lambda b: None, guided_json=[1]),
+        {},
+        "guided_json",
+        ["guided_json must be a JSON schema (an object)"],
+    ),
+    "schema too long": (
+        edit(
+            lambda b: None,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"description": "d" * 70000}},
+            },
+        ),
+        {},
+        "response_format.json_schema.schema",
+        ["response_format.json_schema.schema is 70019 characters", "limit of 65536"],
+    ),
+    "no choices": (
+        edit(lambda b: None, guided_choice=[]),
+        {},
+        "guided_choice",
+        ["guided_choice must be a non-empty list of strings"],
+    ),
+    "an empty choice": (
+        edit(lambda b: None, guided_choice=["a", ""]),
+        {},
+        "guided_choice[1]",
+        ["guided_choice[1] must be a non-empty string"],
+    ),
     "long request id": (
         base(),
         {"X-Request-Id": "r" * 17},

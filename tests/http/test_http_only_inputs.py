@@ -84,10 +84,10 @@ HTTP_ONLY: dict[str, tuple[dict | bytes, str | None, list[str]]] = {
     ),
     "logprobs": (edit(lambda b: None, logprobs=True), "logprobs", ["not supported"]),
     "tools": (edit(lambda b: None, tools=[{"type": "function"}]), "tools", ["not supported"]),
-    "json mode": (
-        edit(lambda b: None, response_format={"type": "json_object"}),
-        "response_format",
-        ["'json_object' is not supported"],
+    "unknown response format": (
+        edit(lambda b: None, response_format={"type": "yaml"}),
+        "response_format.type",
+        ["response_format.type must be 'text', 'json_object' or 'json_schema', got 'yaml'"],
     ),
     "presence penalty": (
         edit(lambda b: None, presence_penalty=0.5),

@@ -24,6 +24,7 @@ from typing import Any
 from protos.epd.v1 import common_pb2, gateway_pb2
 from services.gateway.http.errors import HttpError, invalid
 from services.gateway.http.schemas import ChatCompletionRequest
+from services.gateway.http.structured import structured_output
 from services.gateway.validation import RequestLimits
 
 MAX_UINT32 = (1 << 32) - 1
@@ -35,6 +36,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 FIELD_PATH = re.compile(
     r"^(messages|sampling|request_id)((?:\[\d+\])?(?:\.[a-z_0-9]+(?:\[\d+\])?)*)"
 )
+WORKER_PREFIX = "language worker "  # how the gateway names a worker whose refusal it passes on
 SEGMENT = re.compile(r"\.?([a-z_0-9]+)(?:\[(\d+)\])?")
 SAMPLING_NAMES = {
     "temperature": "temperature",
@@ -52,10 +54,16 @@ class FieldNames:
     """Turns the gRPC field paths of validation messages into the request's JSON paths."""
 
     max_tokens_name: str = "max_tokens"
+    structured_name: str = ""  # the JSON path of the structured output asked for
     string_contents: set[int] = field(default_factory=set)  # messages whose content is a str
 
     def rewrite(self, message: str) -> tuple[str, str | None]:
-        """(``message`` in JSON terms, the JSON path it names or None)."""
+        """(``message`` in JSON terms, the JSON path it names or None). The path starts the
+        message, or follows the "language worker ADDRESS: " of a worker's own refusal."""
+        prefix, sep, rest = message.partition(": ")
+        if sep and prefix.startswith(WORKER_PREFIX) and FIELD_PATH.match(rest):
+            rewritten, param = self.rewrite(rest)
+            return prefix + sep + rewritten, param
         match = FIELD_PATH.match(message)
         if match is None:
             return message, None
@@ -66,6 +74,8 @@ class FieldNames:
     def json_path(self, path: str) -> str:
         if path == "request_id":
             return REQUEST_ID_HEADER
+        if path.startswith("sampling.structured_output"):
+            return self.structured_name or "response_format"
         if path.startswith("sampling."):
             name, _, rest = path[len("sampling.") :].partition("[")
             json_name = self.max_tokens_name if name == "max_new_tokens" else SAMPLING_NAMES[name]
@@ -117,12 +127,6 @@ def _check_http_only(body: ChatCompletionRequest) -> None:
         raise invalid("logit_bias is not supported", "logit_bias")
     if body.tools:
         raise invalid("tools are not supported", "tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise invalid(
-            f"response_format type {body.response_format.get('type')!r} is not supported "
-            "(only 'text')",
-            "response_format",
-        )
 
 
 def _check_counts(messages: list[Any], limits: RequestLimits) -> None:
@@ -244,6 +248,9 @@ def _sampling(
             )
     s.stop_token_ids.extend(body.stop_token_ids or ())
     s.stop.extend(body.stop or ())
+    structured, names.structured_name = structured_output(body)
+    if structured is not None:
+        s.structured_output.CopyFrom(structured)
     return s
 
 

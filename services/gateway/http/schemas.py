@@ -97,11 +97,30 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one language for the answer (its other keys, backend
+    choices and the like, are accepted and change nothing)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"maxProperties": 1})
+
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="a JSON schema (an object, or its JSON text)"
+    )
+    regex: str | None = Field(None, json_schema_extra={"minLength": 1})
+    choice: list[Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]] | None = Field(
+        None, json_schema_extra={"minItems": 1}
+    )
+    grammar: str | None = Field(
+        None, description="Lark, or GBNF", json_schema_extra={"minLength": 1}
+    )
+    json_object: bool | None = None
+
+
 class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions``. Omitted sampling fields take OpenAI's defaults
     (temperature 1, top_p 1); ``temperature: 0`` is greedy decoding."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # vLLM's older guided_* fields among them
 
     messages: Annotated[list[Any], WithJsonSchema(MESSAGES_SCHEMA)]
     model: str | None = Field(None, description="the served model ('' or omitted: that one)")
@@ -137,7 +156,15 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object, or json_schema (structured output)"
+    )
+    # Structured output as vLLM names it (this, or response_format). vLLM's older top-level
+    # guided_json, guided_regex, guided_choice and guided_grammar are taken as well
+    # (``structured.py``) but left out of the published schema: they are deprecated there.
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="extension: exactly one of json, regex, choice, grammar, json_object"
+    )
 
 
 # ---- responses ---------------------------------------------------------------------------

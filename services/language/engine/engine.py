@@ -20,6 +20,7 @@ from common.compute import resolve_compute
 from services.language.config import LanguageConfig
 from services.language.engine.cache_manager import CacheManager
 from services.language.engine.detokenizer import IncrementalDetokenizer
+from services.language.engine.grammar import Grammars, Guide, apply_masks
 from services.language.engine.intake import Limits, check_inputs
 from services.language.engine.model_runner import ModelRunner, RunResult
 from services.language.engine.outputs import EngineLoad, request_output
@@ -56,6 +57,7 @@ class LanguageEngine:
         self.linear_kernel = self.model.use_linear_kernel(config.linear_kernel)  # before sizing
         self.model_config = mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, list(mc.eos_token_ids))
         per_slot = slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.kv_plan = plan = plan_kv_pool(config, per_slot, self.device)  # after the weights
         kv_pool = KVPool(
@@ -100,16 +102,21 @@ class LanguageEngine:
         room: int = 0,
         encoder_endpoint: str = "",
         deadline: float | None = None,
+        guide: Guide | None = None,
     ) -> None:
         """Queue a request with its inputs, or (``inputs=None``) one whose ``room`` is pulled
         from the encoder at ``encoder_endpoint`` until ``deadline`` (``time.monotonic``; the
         room is added to the embedding source when there is one; tests deliver inputs with
-        ``deliver_inputs``). Raises RequestError (INVALID_ARGUMENT) for a duplicate id, a room
-        in use or missing, or a prompt that does not fit ``max_seq_len``."""
+        ``deliver_inputs``). A request with structured output takes ``guide`` (made by
+        ``self.grammars.guide`` off the engine's thread), or gets one made here. Raises
+        RequestError (INVALID_ARGUMENT) for a duplicate id, a room in use or missing, a prompt
+        that does not fit ``max_seq_len``, or a structured output that is no usable language."""
         if request_id in self.requests:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"duplicate request id {request_id!r}")
+        if guide is None and params.structured is not None:
+            guide = self.grammars.guide(params.structured)
         req = Request(request_id, params, IncrementalDetokenizer(self.tokenizer, params.stop))
-        req.room, req.deadline = room, deadline
+        req.room, req.deadline, req.guide = room, deadline, guide
         if inputs is None:
             if not room:
                 raise RequestError(ErrorKind.INVALID_ARGUMENT, "a request needs inputs or a room")
@@ -267,7 +274,11 @@ class LanguageEngine:
             for c, exc in result.failed
         ]
         sampled = [c for c in result.chunks if c.sample]
-        tokens = sample(result.logits, [c.req.sampler for c in sampled]) if sampled else []
+        tokens = (
+            sample(self._constrained(result.logits, sampled), [c.req.sampler for c in sampled])
+            if sampled
+            else []
+        )
         for chunk in result.chunks:
             chunk.req.num_computed = chunk.end
         for row, (chunk, token) in enumerate(zip(sampled, tokens, strict=True)):
@@ -289,6 +300,13 @@ class LanguageEngine:
                 outputs.append(self._fail(req, ErrorKind.FAILED, f"output failed: {exc}"))
         return outputs
 
+    @staticmethod
+    def _constrained(logits: torch.Tensor, sampled: list) -> torch.Tensor:
+        """The logits the sampler draws from: the model's, with structured output's masks on
+        the rows that have one (a copy then: log-probabilities stay the model's)."""
+        guided = [(row, c.req.guide) for row, c in enumerate(sampled) if c.req.guide is not None]
+        return apply_masks(logits, [row for row, _ in guided], [g for _, g in guided])
+
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         if not req.first_token_time:
             req.first_token_time = time.monotonic()
@@ -299,6 +317,8 @@ class LanguageEngine:
             not p.ignore_eos and token in self.model_config.eos_token_ids
         ):
             reason = FinishReason.STOP
+        elif req.guide is not None and req.guide.advance(token):
+            reason = FinishReason.STOP  # the structured output is complete
         elif len(req.output_ids) >= req.max_new_tokens:
             reason = FinishReason.LENGTH
         text = req.detokenizer.add(token, final=reason != FinishReason.NONE)

@@ -108,6 +108,7 @@ class Request:
     image_row_offsets: torch.Tensor | None = None  # long [L+1]: image rows before token i
     prompt_key: np.ndarray | None = None  # radix key records of the prompt (see kvcache/key.py)
     sampler: SamplerState | None = None
+    guide: Any = None  # structured output's ``grammar.Guide``, when the params ask for one
     finish_reason: FinishReason = FinishReason.NONE
     arrival_time: float = field(default_factory=time.monotonic)
     inputs_time: float = 0.0  # prompt complete (embeddings received, or at once for text)

@@ -1,4 +1,5 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seed).
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seed;
+structured output's token masks are ``grammar.py``'s).
 
 ``SamplingParams`` refuses values the sampler cannot use (a ValueError naming the field and its
 bound), so a bad request is turned away at admission instead of failing inside a batch. The
@@ -13,6 +14,7 @@ distribution is already as good as greedy for any realistic logit gap.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -22,6 +24,35 @@ import torch
 MAX_TEMPERATURE = 100.0
 MIN_TEMPERATURE = 1e-2  # sampling temperatures below this are clamped up to it
 MAX_TOP_LOGPROBS = 20  # most likely tokens reported per step, at most (as other APIs)
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 1 << 16  # a schema, regex or grammar longer than this is refused
+MAX_CHOICES = 256  # strings a choice may list
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must be. ``spec``: the JSON schema text, the regex, the grammar,
+    or (``choice``) the JSON list of the strings; "" for ``json_object``."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        """Checks the kind and the size; whether ``spec`` is a usable language is the
+        grammar engine's to say (``grammar.py``)."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"structured_output must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}"
+            )
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise ValueError(
+                f"structured_output.{self.kind} has {len(self.spec)} characters, more than "
+                f"the limit of {MAX_SPEC_CHARS}"
+            )
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> StructuredOutput:
+        return cls("choice", json.dumps(list(choices)))
 
 
 @dataclass(frozen=True)
@@ -41,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # report each token's log-probability (see ``token_logprob``)
     top_logprobs: int = 0  # and the step's most likely tokens; > 0 implies logprobs
+    structured: StructuredOutput | None = None  # the language the output must be in
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:

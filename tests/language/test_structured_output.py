@@ -1,0 +1,200 @@
+"""Structured output on the engine: masks, every kind of language, refusals, and greedy tokens
+equal to transformers' ``generate`` with the same language enforced by a logits processor of
+its own (the grammar engine is shared; the masking, unpacking and the engine's use are not)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from services.language.engine.grammar import apply_masks
+from services.language.engine.request import ErrorKind, FinishReason, RequestError
+from services.language.engine.sampling import SamplingParams, StructuredOutput
+from tests.conftest import ARCHS
+from tests.language.conftest import run_to_completion, tokens_of
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "colour": {"enum": ["red", "green"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["count", "colour", "ok"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{3}-[0-9]{2}"
+CHOICES = ["red", 'a "quoted" one', "two\nlines", "ünïcödé"]
+LARK = 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]/'
+GBNF = 'root ::= "up" | "down"'
+
+
+@pytest.fixture(scope="module")
+def h(harness):
+    return harness(ARCHS[0])
+
+
+@pytest.fixture(scope="module")
+def engine(h):
+    return h.engine()
+
+
+def _run(engine, structured, prompt="say something", max_new_tokens=48, **kw):
+    inputs = engine.tokenize_messages([{"role": "user", "content": prompt}])
+    rid = f"so-{len(engine.requests)}-{engine.num_batches}-{prompt}"
+    params = SamplingParams(max_new_tokens=max_new_tokens, structured=structured, **kw)
+    engine.add_request(rid, params, inputs)
+    outs = run_to_completion(engine)[rid]
+    return "".join(o.text for o in outs), outs
+
+
+def test_masks_match_a_plain_reference():
+    rng = np.random.default_rng(0)
+    vocab, nbytes = 70, 9  # the last byte only partly used, as with a real vocabulary
+    logits = torch.tensor(rng.normal(size=(4, vocab)), dtype=torch.float32)
+    raw = logits.clone()
+    masks = [torch.tensor(rng.integers(0, 256, (1, nbytes)), dtype=torch.uint8) for _ in range(2)]
+
+    class Fixed:  # a guide whose mask is known
+        def __init__(self, mask):
+            self._mask = mask
+
+        def mask(self):
+            return self._mask
+
+    out = apply_masks(logits, [1, 3], [Fixed(m) for m in masks])
+    assert torch.equal(logits, raw), "the model's logits must stay as they were"
+    for row in (0, 2):
+        assert torch.equal(out[row], raw[row])
+    for row, mask in zip((1, 3), masks, strict=True):
+        byte_values = mask[0].tolist()
+        for t in range(vocab):
+            allowed = (byte_values[t // 8] >> (t % 8)) & 1
+            assert out[row, t].item() == (raw[row, t].item() if allowed else float("-inf"))
+    assert apply_masks(logits, [], []) is logits
+
+
+def test_every_kind_of_language(engine):
+    text, outs = _run(engine, StructuredOutput("json_schema", json.dumps(SCHEMA)))
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert outs[-1].finish_reason == FinishReason.STOP
+    text, _ = _run(engine, StructuredOutput("regex", REGEX))
+    assert re.fullmatch(REGEX, text), text
+    for i in range(3):
+        text, _ = _run(engine, StructuredOutput.choice(CHOICES), prompt=f"pick {i}")
+        assert text in CHOICES
+    text, _ = _run(engine, StructuredOutput("grammar", LARK))
+    assert re.fullmatch(r"yes|no|maybe [0-9]", text), text
+    text, _ = _run(engine, StructuredOutput("grammar", GBNF))
+    assert text in ("up", "down")
+    # any JSON object: random weights rarely close one in a few tokens, but what came out is
+    # the start of one
+    text, outs = _run(engine, StructuredOutput("json_object"), max_new_tokens=6)
+    assert text.startswith("{")
+
+
+def test_sampled_rows_stay_in_the_language(engine):
+    for seed in range(4):
+        text, _ = _run(
+            engine, StructuredOutput("regex", REGEX), prompt=f"s{seed}", temperature=1.0, seed=seed
+        )
+        assert re.fullmatch(REGEX, text), text
+
+
+def test_guided_and_free_requests_share_a_batch(engine, h):
+    free = engine.tokenize_messages([{"role": "user", "content": "free"}])
+    engine.add_request("free", SamplingParams(max_new_tokens=8), free)
+    guided = engine.tokenize_messages([{"role": "user", "content": "guided"}])
+    engine.add_request(
+        "guided",
+        SamplingParams(max_new_tokens=8, structured=StructuredOutput("regex", REGEX)),
+        guided,
+    )
+    outs = run_to_completion(engine)
+    assert re.fullmatch(REGEX, "".join(o.text for o in outs["guided"]))
+    ref = h.ref.generate(h.ref.build_inputs("free", []), 8)
+    assert tokens_of(outs["free"]) == ref
+
+
+@pytest.mark.parametrize(
+    ("structured", "words"),
+    [
+        (StructuredOutput("json_schema", "{not json"), "json_schema is not valid JSON"),
+        (StructuredOutput("json_schema", "[1, 2]"), "json_schema must be a JSON object"),
+        (StructuredOutput("json_schema", '{"type": "nonsense"}'), "json_schema"),
+        (StructuredOutput("regex", "(a|"), "regex is not usable"),
+        (StructuredOutput("grammar", "start: {{"), "grammar is not usable"),
+        (StructuredOutput("grammar", "root ::= (("), "grammar"),
+        (StructuredOutput("choice", "[]"), "choice needs 1 to"),
+    ],
+)
+def test_unusable_languages_are_refused_naming_the_field(engine, structured, words):
+    inputs = engine.tokenize_messages([{"role": "user", "content": "x"}])
+    with pytest.raises(RequestError) as info:
+        engine.add_request("bad", SamplingParams(structured=structured), inputs)
+    assert info.value.kind == ErrorKind.INVALID_ARGUMENT
+    assert f"sampling.structured_output.{structured.kind}" in str(info.value)
+    assert words in str(info.value)
+    assert "bad" not in engine.requests
+
+
+def test_the_field_checks_kind_and_size():
+    with pytest.raises(ValueError, match="structured_output must be one of"):
+        StructuredOutput("yaml", "x")
+    with pytest.raises(ValueError, match="more than the limit"):
+        StructuredOutput("regex", "a" * (1 << 17))
+
+
+class _Enforce:
+    """transformers logits processor: the same language, its own matcher and mask unpacking."""
+
+    def __init__(self, matcher, vocab_size: int, prompt_len: int) -> None:
+        import llguidance.numpy as lnp
+
+        self.lnp, self.matcher, self.vocab, self.prompt_len = lnp, matcher, vocab_size, prompt_len
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] > self.prompt_len:
+            assert self.matcher.consume_token(int(input_ids[0, -1]))
+        bitmask = self.lnp.allocate_token_bitmask(1, self.vocab)
+        self.lnp.fill_next_token_bitmask(self.matcher, bitmask, 0)
+        bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[: scores.shape[1]]
+        return scores.masked_fill(torch.from_numpy(bits == 0), float("-inf"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["json_schema", "regex"])
+def test_greedy_equals_transformers_with_the_language_enforced(harness, arch, kind):
+    import llguidance
+    from transformers import LogitsProcessorList
+
+    from services.language.engine.grammar import to_grammar
+
+    h = harness(arch)
+    engine = h.engine()
+    spec = json.dumps(SCHEMA) if kind == "json_schema" else REGEX
+    structured = StructuredOutput(kind, spec)
+    ref_inputs = h.ref.build_inputs("describe it", [])
+    ids = ref_inputs.input_ids
+    matcher = llguidance.LLMatcher(engine.grammars.tokenizer(), to_grammar(structured))
+    vocab = engine.model_config.vocab_size
+    out = h.ref.model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=ref_inputs.mm_token_type_ids,
+        max_new_tokens=40,
+        do_sample=False,
+        logits_processor=LogitsProcessorList([_Enforce(matcher, vocab, ids.shape[1])]),
+    )
+    expected = out[0, ids.shape[1] :].tolist()
+    eos = set(engine.model_config.eos_token_ids)
+    while expected and expected[-1] in eos:  # the engine ends when the language does
+        expected.pop()
+    text, outs = _run(engine, structured, prompt="describe it", max_new_tokens=40)
+    assert tokens_of(outs) == expected
+    assert outs[-1].finish_reason == FinishReason.STOP
