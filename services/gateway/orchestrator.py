@@ -54,6 +54,7 @@ from functools import partial
 import grpc
 
 from protos.epd.v1 import common_pb2, gateway_pb2
+from services.gateway import tools
 from services.gateway import workers as calls
 from services.gateway.admission import Admitted
 from services.gateway.config import GatewayConfig
@@ -185,7 +186,16 @@ class Orchestrator:
         self, request: gateway_pb2.GenerateRequest, admitted: Admitted, deadline: float
     ) -> Iterator[gateway_pb2.GenerateChunk]:
         """Stream the answer to a validated ``request``; raises ``GatewayError`` with the
-        terminal status."""
+        terminal status. Tools are written into its messages, calls parsed out of its answer
+        (``tools.py``)."""
+        if tools.uses_tools(request):
+            yield from tools.parse_tool_calls(self._run(with_tools(request), admitted, deadline))
+        else:
+            yield from self._run(with_tools(request), admitted, deadline)
+
+    def _run(
+        self, request: gateway_pb2.GenerateRequest, admitted: Admitted, deadline: float
+    ) -> Iterator[gateway_pb2.GenerateChunk]:
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         if not sampling.max_new_tokens:
@@ -457,3 +467,20 @@ class Orchestrator:
         out.language = dispatch.language.address
         out.encoder = dispatch.encoder.address if dispatch.encoder is not None else ""
         self.metrics.e2e.observe(now - start)
+
+
+def with_tools(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
+    """``request`` as the workers take it: tools, calls and results written into its messages,
+    and the grammar a forced ``tool_choice`` needs as its structured output (``request``
+    itself when it uses no tools)."""
+    if not (request.tools or any(m.role == "tool" or m.tool_calls for m in request.messages)):
+        return request
+    out = gateway_pb2.GenerateRequest(
+        messages=tools.prompt_messages(request),
+        sampling=request.sampling,
+        request_id=request.request_id,
+    )
+    grammar = tools.tool_grammar(request)
+    if grammar:
+        out.sampling.structured_output.grammar = grammar
+    return out

@@ -76,15 +76,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         texts: list[str] = []
         token_ids: list[int] = []
         logprobs: list = []
+        tool_calls: list = []
         final = None
         for chunk in self.Generate(request, context):
             texts.append(chunk.text)
             token_ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
+            tool_calls.extend(chunk.tool_calls)
             if chunk.finish_reason:
                 final = chunk
         reply = gateway_pb2.GenerateResponse(text="".join(texts), token_ids=token_ids)
         reply.logprobs.extend(logprobs)
+        reply.tool_calls.extend(tool_calls)
         if final is not None:  # always, once Generate ended without an error
             reply.request_id = final.request_id
             reply.finish_reason = final.finish_reason

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, fields
 
@@ -29,7 +30,7 @@ import grpc
 from protos.epd.v1 import gateway_pb2
 from services.gateway.errors import GatewayError
 
-ROLES_ALLOWED = ("system", "user", "assistant")
+ROLES_ALLOWED = ("system", "user", "assistant", "tool")
 MAX_TEMPERATURE = 100.0
 # NOTE: a positive temperature below this scales logits past what float32 sampling can hold
 # (logits / 1e-45 overflows to inf); the language worker clamps such values, the gateway refuses
@@ -39,6 +40,10 @@ DATA_URL_PREFIX_CHARS = 256  # room for "data:image/png;base64," and the like
 MAX_TOP_LOGPROBS = 20  # most likely tokens per step a request may ask for (as other APIs)
 MAX_STRUCTURED_CHARS = 1 << 16  # a structured output's schema, regex or grammar, at most
 MAX_CHOICES = 256  # strings a structured output's choice may list
+MAX_TOOLS = 128  # functions one request may offer
+MAX_TOOL_CALLS = 64  # calls one assistant message may carry
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+TOOL_CHOICE_MODES = ("auto", "none", "required")
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ def validate_request(request: gateway_pb2.GenerateRequest, limits: RequestLimits
     validate_request_id(request.request_id, limits, required=False)
     _validate_messages(request, limits)
     _validate_sampling(request, limits)
+    _validate_tools(request)
 
 
 def validate_request_id(request_id: str, limits: RequestLimits, required: bool) -> None:
@@ -115,7 +121,9 @@ def _validate_messages(request: gateway_pb2.GenerateRequest, limits: RequestLimi
             raise invalid(
                 f"{where}.role must be one of {', '.join(ROLES_ALLOWED)}, got {message.role!r}"
             )
-        if not message.content:
+        if message.tool_calls:
+            _validate_calls(message, where)
+        elif not message.content:
             raise invalid(f"{where}.content must not be empty")
         if len(message.content) > limits.max_parts_per_message:
             raise invalid(
@@ -126,6 +134,8 @@ def _validate_messages(request: gateway_pb2.GenerateRequest, limits: RequestLimi
             which = part.WhichOneof("part")
             if which is None:
                 raise invalid(f"{where}.content[{j}] is empty (set text or image)")
+            if which != "text" and message.role == "tool":
+                raise invalid(f"{where}.content[{j}] must be text (a tool's result)")
             if which == "text":
                 num_text_chars += len(part.text)
                 if num_text_chars > limits.max_text_chars:
@@ -142,6 +152,77 @@ def _validate_messages(request: gateway_pb2.GenerateRequest, limits: RequestLimi
                         f"than the limit of {limits.max_images} images"
                     )
                 _validate_image(part.image, f"{where}.content[{j}].image", limits)
+
+
+def _json_object(text: str, where: str) -> None:
+    """``text`` is "" or a JSON object, within ``MAX_STRUCTURED_CHARS``."""
+    if len(text) > MAX_STRUCTURED_CHARS:
+        raise invalid(
+            f"{where} is {len(text)} characters, more than the limit of {MAX_STRUCTURED_CHARS}"
+        )
+    if not text:
+        return
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise invalid(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise invalid(f"{where} must be a JSON object, got {type(value).__name__}")
+
+
+def _validate_calls(message, where: str) -> None:
+    if message.role != "assistant":
+        raise invalid(f"{where}.tool_calls is only allowed on assistant messages")
+    if len(message.tool_calls) > MAX_TOOL_CALLS:
+        raise invalid(
+            f"{where}.tool_calls has {len(message.tool_calls)} entries, more than the limit of "
+            f"{MAX_TOOL_CALLS}"
+        )
+    for k, call in enumerate(message.tool_calls):
+        if not TOOL_NAME.fullmatch(call.name):
+            raise invalid(
+                f"{where}.tool_calls[{k}].name must be 1 to 64 of A-Z a-z 0-9 _ -, got "
+                f"{call.name[:80]!r}"
+            )
+        _json_object(call.arguments, f"{where}.tool_calls[{k}].arguments")
+
+
+def _validate_tools(request: gateway_pb2.GenerateRequest) -> None:
+    if len(request.tools) > MAX_TOOLS:
+        raise invalid(f"tools has {len(request.tools)} entries, more than the limit of {MAX_TOOLS}")
+    names = set()
+    for i, tool in enumerate(request.tools):
+        if not TOOL_NAME.fullmatch(tool.name):
+            raise invalid(
+                f"tools[{i}].name must be 1 to 64 of A-Z a-z 0-9 _ -, got {tool.name[:80]!r}"
+            )
+        if tool.name in names:
+            raise invalid(f"tools[{i}].name {tool.name!r} is offered twice")
+        names.add(tool.name)
+        if len(tool.description) > MAX_STRUCTURED_CHARS:
+            raise invalid(
+                f"tools[{i}].description is {len(tool.description)} characters, more than the "
+                f"limit of {MAX_STRUCTURED_CHARS}"
+            )
+        _json_object(tool.parameters, f"tools[{i}].parameters")
+    which = request.tool_choice.WhichOneof("choice")
+    if which == "mode" and request.tool_choice.mode not in TOOL_CHOICE_MODES:
+        raise invalid(
+            f"tool_choice.mode must be one of {', '.join(TOOL_CHOICE_MODES)}, got "
+            f"{request.tool_choice.mode[:80]!r}"
+        )
+    forced = which == "function" or request.tool_choice.mode == "required"
+    if which == "function" and request.tool_choice.function not in names:
+        raise invalid(
+            f"tool_choice.function {request.tool_choice.function[:80]!r} is not one of tools"
+        )
+    if forced and not request.tools:
+        raise invalid("tool_choice 'required' needs tools")
+    if forced and request.sampling.HasField("structured_output"):
+        raise invalid(
+            "sampling.structured_output cannot be combined with a tool_choice that forces a "
+            "call (the call's grammar is the structured output)"
+        )
 
 
 def _validate_image(image, where: str, limits: RequestLimits) -> None:

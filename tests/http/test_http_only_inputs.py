@@ -83,7 +83,11 @@ HTTP_ONLY: dict[str, tuple[dict | bytes, str | None, list[str]]] = {
         ["got no scheme"],
     ),
     "logprobs": (edit(lambda b: None, logprobs=True), "logprobs", ["not supported"]),
-    "tools": (edit(lambda b: None, tools=[{"type": "function"}]), "tools", ["not supported"]),
+    "tool without a function": (
+        edit(lambda b: None, tools=[{"type": "function"}]),
+        "tools[0].function",
+        ["tools[0].function must be an object with a string name"],
+    ),
     "unknown response format": (
         edit(lambda b: None, response_format={"type": "yaml"}),
         "response_format.type",

@@ -17,6 +17,7 @@ URL policy decides (off by default). Sampling defaults are OpenAI's (temperature
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ ROLE_ALIASES = {"developer": "system"}
 REQUEST_ID_HEADER = "X-Request-Id"
 # A gRPC field path at the start of a validation message: "messages[2].content[0].image.data".
 FIELD_PATH = re.compile(
-    r"^(messages|sampling|request_id)((?:\[\d+\])?(?:\.[a-z_0-9]+(?:\[\d+\])?)*)"
+    r"^(messages|sampling|request_id|tools|tool_choice)((?:\[\d+\])?(?:\.[a-z_0-9]+(?:\[\d+\])?)*)"
 )
 WORKER_PREFIX = "language worker "  # how the gateway names a worker whose refusal it passes on
 SEGMENT = re.compile(r"\.?([a-z_0-9]+)(?:\[(\d+)\])?")
@@ -76,6 +77,8 @@ class FieldNames:
             return REQUEST_ID_HEADER
         if path.startswith("sampling.structured_output"):
             return self.structured_name or "response_format"
+        if path.startswith(("tools", "tool_choice")) or ".tool_calls" in path:
+            return _tool_path(path)
         if path.startswith("sampling."):
             name, _, rest = path[len("sampling.") :].partition("[")
             json_name = self.max_tokens_name if name == "max_new_tokens" else SAMPLING_NAMES[name]
@@ -97,6 +100,21 @@ class FieldNames:
         return ".".join(out)
 
 
+def _tool_path(path: str) -> str:
+    """The JSON path of a tool field: OpenAI nests a tool's and a call's fields in "function"."""
+    for proto, json_name in (
+        (".name", ".function.name"),
+        (".description", ".function.description"),
+        (".parameters", ".function.parameters"),
+        (".arguments", ".function.arguments"),
+    ):
+        if path.endswith(proto) and (path.startswith("tools[") or ".tool_calls[" in path):
+            return path[: -len(proto)] + json_name
+    if path == "tool_choice.function":
+        return "tool_choice.function.name"
+    return "tool_choice" if path == "tool_choice.mode" else path
+
+
 def to_generate_request(
     body: ChatCompletionRequest, request_id: str, limits: RequestLimits
 ) -> tuple[gateway_pb2.GenerateRequest, FieldNames]:
@@ -108,6 +126,9 @@ def to_generate_request(
     request = gateway_pb2.GenerateRequest(
         messages=messages, sampling=_sampling(body, limits, names), request_id=request_id
     )
+    request.tools.extend(_tool(t, i) for i, t in enumerate(body.tools or ()))
+    if body.tool_choice is not None:
+        request.tool_choice.CopyFrom(_tool_choice(body.tool_choice))
     return request, names
 
 
@@ -125,8 +146,6 @@ def _check_http_only(body: ChatCompletionRequest) -> None:
             raise invalid(f"{name} is not supported (only 0)", name)
     if body.logit_bias:
         raise invalid("logit_bias is not supported", "logit_bias")
-    if body.tools:
-        raise invalid("tools are not supported", "tools")
 
 
 def _check_counts(messages: list[Any], limits: RequestLimits) -> None:
@@ -152,9 +171,23 @@ def _message(raw: Any, i: int, names: FieldNames) -> common_pb2.ChatMessage:
         raise invalid(f"{where} must be an object with role and content", where)
     role = raw.get("role")
     if not isinstance(role, str):
-        raise invalid(f"{where}.role must be a string (system, user or assistant)", f"{where}.role")
+        raise invalid(
+            f"{where}.role must be a string (system, user, assistant or tool)", f"{where}.role"
+        )
     content = raw.get("content")
     message = common_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role))
+    calls = raw.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise invalid(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+        message.tool_calls.extend(_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(calls))
+    call_id = raw.get("tool_call_id")
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise invalid(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+        message.tool_call_id = call_id
+    if content is None and message.tool_calls:
+        return message  # an assistant turn that only called tools
     if isinstance(content, str):
         names.string_contents.add(i)
         message.content.add(text=content)
@@ -168,6 +201,64 @@ def _message(raw: Any, i: int, names: FieldNames) -> common_pb2.ChatMessage:
             f"{where}.content",
         )
     return message
+
+
+def _function(raw: Any, where: str) -> dict:
+    """The "function" object of a tool or a call: ``raw`` is ``{"type": "function",
+    "function": {...}}``."""
+    if not isinstance(raw, dict) or raw.get("type", "function") != "function":
+        raise invalid(f"{where} must be an object of type 'function'", where)
+    function = raw.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise invalid(f"{where}.function must be an object with a string name", f"{where}.function")
+    return function
+
+
+def _tool(raw: Any, i: int) -> common_pb2.Tool:
+    where = f"tools[{i}]"
+    function = _function(raw, where)
+    description = function.get("description", "")
+    if not isinstance(description, str):
+        raise invalid(
+            f"{where}.function.description must be a string", f"{where}.function.description"
+        )
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise invalid(
+            f"{where}.function.parameters must be a JSON schema (an object)",
+            f"{where}.function.parameters",
+        )
+    text = "" if parameters is None else json.dumps(parameters, ensure_ascii=False)
+    return common_pb2.Tool(name=function["name"], description=description, parameters=text)
+
+
+def _tool_choice(raw: Any) -> common_pb2.ToolChoice:
+    if isinstance(raw, str):
+        return common_pb2.ToolChoice(mode=raw)
+    if isinstance(raw, dict):
+        function = _function(raw, "tool_choice")
+        return common_pb2.ToolChoice(function=function["name"])
+    raise invalid(
+        "tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", "
+        '"function": {"name": ...}}',
+        "tool_choice",
+    )
+
+
+def _call(raw: Any, where: str) -> common_pb2.ToolCall:
+    function = _function(raw, where)
+    arguments = function.get("arguments", "")
+    if isinstance(arguments, dict):  # some clients send the object itself
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    if not isinstance(arguments, str):
+        raise invalid(
+            f"{where}.function.arguments must be a JSON object as a string",
+            f"{where}.function.arguments",
+        )
+    call_id = raw.get("id", "")
+    return common_pb2.ToolCall(
+        id=call_id if isinstance(call_id, str) else "", name=function["name"], arguments=arguments
+    )
 
 
 def _part(raw: Any, where: str) -> common_pb2.ContentPart:

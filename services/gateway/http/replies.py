@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 from protos.epd.v1 import common_pb2, gateway_pb2
 
-FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
 DONE = b"data: [DONE]\n\n"
 
 
@@ -54,7 +58,20 @@ class Head:
     model: str
 
 
-def completion(head: Head, text: str, final: gateway_pb2.GenerateChunk) -> dict:
+def tool_call(call: common_pb2.ToolCall) -> dict:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def completion(
+    head: Head, text: str, final: gateway_pb2.GenerateChunk, calls: list | None = None
+) -> dict:
+    message: dict = {"role": "assistant", "content": text or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = [tool_call(c) for c in calls]
     return {
         "id": head.id,
         "object": "chat.completion",
@@ -63,7 +80,7 @@ def completion(head: Head, text: str, final: gateway_pb2.GenerateChunk) -> dict:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
             }
@@ -80,6 +97,7 @@ class ChunkWriter:
         self.head = head
         self.include_usage = include_usage
         self._started = False
+        self._num_calls = 0  # tool calls streamed so far (each delta's "index")
 
     def _chunk(self, choices: list, **extra) -> bytes:
         obj = {
@@ -106,6 +124,9 @@ class ChunkWriter:
             out += self._delta({"role": "assistant", "content": ""})
         if chunk.text:
             out += self._delta({"content": chunk.text})
+        for call in chunk.tool_calls:
+            out += self._delta({"tool_calls": [{"index": self._num_calls, **tool_call(call)}]})
+            self._num_calls += 1
         if chunk.finish_reason:
             out += self._delta({}, FINISH_REASONS.get(chunk.finish_reason, "stop"))
             if self.include_usage:

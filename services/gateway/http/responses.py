@@ -88,10 +88,11 @@ class ChatResponse(Response):
         await self._send(send, error.status, headers, error.encoded())
 
     async def _unary(self, send: Send) -> None:
-        texts, final = [], None
+        texts, calls, final = [], [], None
         try:
             while (chunk := await self.pump.next()) is not None:
                 texts.append(chunk.text)
+                calls.extend(chunk.tool_calls)
                 if chunk.finish_reason:
                     final = chunk
         except GatewayError as exc:
@@ -102,7 +103,7 @@ class ChatResponse(Response):
             return await self._error(send, _internal(exc))
         if final is None:
             return await self._error(send, _internal(RuntimeError("answer without an end")))
-        body = dumps(completion(self.head, "".join(texts), final))
+        body = dumps(completion(self.head, "".join(texts), final, calls))
         await self._send(send, 200, [JSON_TYPE, *self.extra_headers], body)
 
     async def _stream(self, send: Send) -> None:

@@ -155,7 +155,12 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="functions the model may call ({type: function, function: {...}})"
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="auto, none, required, or {type: function, function: {name}}"
+    )
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object, or json_schema (structured output)"
     )
@@ -181,15 +186,30 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[ToolCall] | None = None
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     logprobs: None = None
 
 
@@ -203,15 +223,20 @@ class ChatCompletion(BaseModel):
     system_fingerprint: None = None
 
 
+class ToolCallDelta(ToolCall):
+    index: int  # which call of the answer (a call comes whole, in one delta)
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: FinishReason | None
     logprobs: None = None
 
 
