@@ -20,9 +20,10 @@ from common.compute import resolve_compute
 from services.language.config import LanguageConfig
 from services.language.engine.cache_manager import CacheManager
 from services.language.engine.detokenizer import IncrementalDetokenizer
-from services.language.engine.intake import Limits, check_inputs
+from services.language.engine.intake import Limits, check_inputs, check_sampling
 from services.language.engine.model_runner import ModelRunner, RunResult
 from services.language.engine.outputs import EngineLoad, request_output
+from services.language.engine.penalties import process_logits
 from services.language.engine.request import (
     ErrorKind,
     FinishReason,
@@ -104,10 +105,12 @@ class LanguageEngine:
         """Queue a request with its inputs, or (``inputs=None``) one whose ``room`` is pulled
         from the encoder at ``encoder_endpoint`` until ``deadline`` (``time.monotonic``; the
         room is added to the embedding source when there is one; tests deliver inputs with
-        ``deliver_inputs``). Raises RequestError (INVALID_ARGUMENT) for a duplicate id, a room
-        in use or missing, or a prompt that does not fit ``max_seq_len``."""
+        ``deliver_inputs``). Raises RequestError (INVALID_ARGUMENT) for a duplicate id, a
+        ``logit_bias`` id outside the vocabulary, a room in use or missing, or a prompt that does
+        not fit ``max_seq_len``."""
         if request_id in self.requests:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"duplicate request id {request_id!r}")
+        check_sampling(params, self.limits)
         req = Request(request_id, params, IncrementalDetokenizer(self.tokenizer, params.stop))
         req.room, req.deadline = room, deadline
         if inputs is None:
@@ -267,7 +270,12 @@ class LanguageEngine:
             for c, exc in result.failed
         ]
         sampled = [c for c in result.chunks if c.sample]
-        tokens = sample(result.logits, [c.req.sampler for c in sampled]) if sampled else []
+        tokens: list[int | Exception] = []
+        if sampled:
+            # the raw ``result.logits`` stay the model's: log-probabilities are taken from them
+            eos_ids = self.model_config.eos_token_ids
+            logits = process_logits(result.logits, [c.req for c in sampled], eos_ids)
+            tokens = sample(logits, [c.req.sampler for c in sampled])
         for chunk in result.chunks:
             chunk.req.num_computed = chunk.end
         for row, (chunk, token) in enumerate(zip(sampled, tokens, strict=True)):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from services.language.engine.detokenizer import IncrementalDetokenizer
+from services.language.engine.penalties import TokenHistory
 from services.language.engine.sampling import SamplerState, SamplingParams, TokenLogprob
 from services.language.inputs import PromptInputs
 from services.language.kvcache.key import make_key
@@ -108,6 +109,7 @@ class Request:
     image_row_offsets: torch.Tensor | None = None  # long [L+1]: image rows before token i
     prompt_key: np.ndarray | None = None  # radix key records of the prompt (see kvcache/key.py)
     sampler: SamplerState | None = None
+    token_history: TokenHistory | None = None  # for the penalties, built at its first use
     finish_reason: FinishReason = FinishReason.NONE
     arrival_time: float = field(default_factory=time.monotonic)
     inputs_time: float = 0.0  # prompt complete (embeddings received, or at once for text)
