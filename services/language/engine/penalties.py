@@ -14,21 +14,22 @@ logits the sampler draws from; the greedy rows take their argmax. For a row with
 
 Invariants: the input tensor is never written (log-probabilities are taken from it: the model's
 distribution, as vLLM reports by default); a batch where no request uses a control costs one
-check per row and returns the input itself. Otherwise the logits are copied once (as float32),
-and the vocabulary-wide work runs as tensor ops over the rows that use a control, all at once.
-Python loops go over rows and over bias entries (at most ``MAX_LOGIT_BIAS_ENTRIES`` each), never
-over the vocabulary.
+check per row and returns the input itself. Otherwise the logits are copied once (as float32)
+and every control is one gather/scatter over flat ``(row, token)`` index tensors that hold the
+entries of all the rows that use it: the work grows with the tokens a control touches (bias
+entries, stop ids, distinct tokens seen), never with rows times the vocabulary, and no Python
+loop goes over the vocabulary.
 
-The penalties read a request's ``TokenHistory``: its generated tokens' counts and the set of
-tokens seen (prompt and output), built at its first sampled step and then updated with each new
-token only. Image placeholder tokens (fill ids at or above the vocabulary) are not tokens the
-model can emit and are not counted.
+The penalties read a request's ``TokenHistory``: its distinct tokens seen (prompt and output) and
+its distinct generated tokens with their counts, built at its first sampled step and then updated
+with each new token only. Image placeholder tokens (fill ids at or above the vocabulary) are not
+tokens the model can emit and are not counted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,10 +40,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class TokenHistory:
-    """One request's tokens as the penalties see them, on the logits' device."""
+    """One request's tokens as the penalties see them (tensors on the logits' device)."""
 
-    output_counts: torch.Tensor  # float32 [vocab]: times each token was generated
-    seen: torch.Tensor  # bool [vocab]: tokens of the prompt or the output
+    seen_ids: torch.Tensor  # long [n]: the distinct tokens of the prompt and the output
+    output_ids: torch.Tensor  # long [m]: the distinct generated tokens, in order of first use
+    output_counts: torch.Tensor  # float32 [m]: times each of them was generated
+    seen: set[int] = field(default_factory=set)  # seen_ids as a set
+    output_index: dict[int, int] = field(default_factory=dict)  # token -> its place in output_ids
     num_counted: int = 0  # generated tokens counted so far
 
     @classmethod
@@ -50,19 +54,40 @@ class TokenHistory:
         cls, prompt_ids: torch.Tensor, vocab_size: int, device: torch.device
     ) -> TokenHistory:
         """The history of a prompt (fill ids; image placeholders are left out)."""
-        seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        text = prompt_ids[(prompt_ids >= 0) & (prompt_ids < vocab_size)]
-        seen[text.to(device)] = True
-        counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        return cls(counts, seen)
+        text = prompt_ids[(prompt_ids >= 0) & (prompt_ids < vocab_size)].unique()
+        long = dict(dtype=torch.long, device=device)
+        return cls(
+            seen_ids=text.to(device),
+            output_ids=torch.zeros(0, **long),
+            output_counts=torch.zeros(0, dtype=torch.float32, device=device),
+            seen=set(text.tolist()),
+        )
 
     def update(self, output_ids: Sequence[int]) -> None:
         """Count the tokens of ``output_ids`` (all generated so far) not counted yet."""
-        if len(output_ids) == self.num_counted:
+        new = output_ids[self.num_counted :]
+        if not new:
             return
-        new = torch.tensor(output_ids[self.num_counted :], device=self.output_counts.device)
-        self.output_counts.index_put_((new,), torch.ones_like(new, dtype=torch.float32), True)
-        self.seen[new] = True
+        new_seen, new_outputs, places = [], [], []
+        for token in new:
+            if token not in self.seen:
+                self.seen.add(token)
+                new_seen.append(token)
+            if token not in self.output_index:
+                self.output_index[token] = len(self.output_index)
+                new_outputs.append(token)
+            places.append(self.output_index[token])
+        device = self.output_counts.device
+        if new_seen:
+            added = torch.tensor(new_seen, dtype=torch.long, device=device)
+            self.seen_ids = torch.cat([self.seen_ids, added])
+        if new_outputs:
+            added = torch.tensor(new_outputs, dtype=torch.long, device=device)
+            self.output_ids = torch.cat([self.output_ids, added])
+            zeros = torch.zeros(len(new_outputs), dtype=torch.float32, device=device)
+            self.output_counts = torch.cat([self.output_counts, zeros])
+        index = torch.tensor(places, dtype=torch.long, device=device)
+        self.output_counts.index_put_((index,), torch.ones(len(places), device=device), True)
         self.num_counted = len(output_ids)
 
 
@@ -72,41 +97,16 @@ def process_logits(
     """The logits to sample from for ``requests`` (row ``i`` is ``requests[i]``'s): ``logits``
     itself when no request uses a control, else a float32 copy with the controls applied to
     the rows of the requests that use one. ``logits`` is never written."""
-    rows = [i for i, req in enumerate(requests) if req.params.uses_logits_controls]
-    if not rows:
+    if not any(req.params.uses_logits_controls for req in requests):
         return logits
     out = logits.to(torch.float32, copy=True)
-    controlled = [requests[i] for i in rows]
-    if len(rows) == len(requests):
-        _apply_controls(out, controlled, eos_token_ids)
-        return out
-    index = torch.tensor(rows, device=logits.device)
-    part = out.index_select(0, index)
-    _apply_controls(part, controlled, eos_token_ids)
-    out.index_copy_(0, index, part)
+    _apply_logit_bias(out, requests)
+    _apply_min_tokens(out, requests, tuple(eos_token_ids))
+    _apply_penalties(out, requests)
     return out
 
 
-def _apply_controls(
-    logits: torch.Tensor, requests: list[Request], eos_token_ids: Iterable[int]
-) -> None:
-    """Apply every request's controls to its row of ``logits`` [len(requests), vocab] (float32,
-    written in place)."""
-    _apply_logit_bias(logits, requests)
-    _apply_min_tokens(logits, requests, tuple(eos_token_ids))
-    penalized = [i for i, req in enumerate(requests) if req.params.uses_penalties]
-    if not penalized:
-        return
-    if len(penalized) == len(requests):
-        _apply_penalties(logits, requests)
-        return
-    index = torch.tensor(penalized, device=logits.device)
-    part = logits.index_select(0, index)
-    _apply_penalties(part, [requests[i] for i in penalized])
-    logits.index_copy_(0, index, part)
-
-
-def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     row_ids: list[int] = []
     token_ids: list[int] = []
     biases: list[float] = []
@@ -124,7 +124,7 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
 
 
 def _apply_min_tokens(
-    logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...]
+    logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: tuple[int, ...]
 ) -> None:
     vocab_size = logits.shape[1]
     row_ids: list[int] = []
@@ -143,22 +143,45 @@ def _apply_min_tokens(
         logits.index_put_(index, torch.tensor(float("-inf"), device=device))
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
-    """Repetition, then frequency and presence penalties, over all ``requests``' rows at once."""
-    device = logits.device
-    histories = [token_history(req, logits.shape[1], device) for req in requests]
-    seen = torch.stack([h.seen for h in histories])
-    counts = torch.stack([h.output_counts for h in histories])
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Repetition, then frequency and presence penalties, each over the flat ``(row, token)``
+    entries of all the rows that use it."""
+    vocab_size, device = logits.shape[1], logits.device
+    repeated = [i for i, req in enumerate(requests) if req.params.repetition_penalty != 1]
+    counted = [
+        i
+        for i, req in enumerate(requests)
+        if req.params.frequency_penalty != 0 or req.params.presence_penalty != 0
+    ]
+    histories = {i: token_history(requests[i], vocab_size, device) for i in {*repeated, *counted}}
+    if repeated:
+        tokens = [histories[i].seen_ids for i in repeated]
+        rows, per_entry = _entries(repeated, tokens, device)
+        penalty = per_entry([requests[i].params.repetition_penalty for i in repeated])
+        index = (rows, torch.cat(tokens))
+        values = logits[index]
+        logits[index] = torch.where(values > 0, values / penalty, values * penalty)
+    if counted:
+        tokens = [histories[i].output_ids for i in counted]
+        rows, per_entry = _entries(counted, tokens, device)
+        frequency = per_entry([requests[i].params.frequency_penalty for i in counted])
+        presence = per_entry([requests[i].params.presence_penalty for i in counted])
+        counts = torch.cat([histories[i].output_counts for i in counted])
+        # the (row, token) pairs are distinct: accumulate adds each penalty once
+        index = (rows, torch.cat(tokens))
+        logits.index_put_(index, -(frequency * counts + presence), accumulate=True)
 
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
 
-    repetition = column([req.params.repetition_penalty for req in requests])
-    frequency = column([req.params.frequency_penalty for req in requests])
-    presence = column([req.params.presence_penalty for req in requests])
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits.copy_(torch.where(seen, penalized, logits))
-    logits -= frequency * counts + presence * (counts > 0)
+def _entries(rows: list[int], tokens: list[torch.Tensor], device: torch.device):
+    """The row of each entry of ``tokens`` (one tensor per row of ``rows``), and a function that
+    spreads one value per row over that row's entries."""
+    lengths = torch.tensor([t.shape[0] for t in tokens], device=device)
+
+    def per_entry(values: list[float]) -> torch.Tensor:
+        per_row = torch.tensor(values, dtype=torch.float32, device=device)
+        return per_row.repeat_interleave(lengths)
+
+    return torch.tensor(rows, device=device).repeat_interleave(lengths), per_entry
 
 
 def token_history(req: Request, vocab_size: int, device: torch.device) -> TokenHistory:
