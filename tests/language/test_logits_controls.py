@@ -141,3 +141,16 @@ def test_a_bias_id_outside_the_vocabulary_is_refused(engine, text_case):
     with pytest.raises(ValueError, match=rf"sampling.logit_bias .*\[0, {vocab}\).*got {vocab}"):
         engine.add_request("oov", SamplingParams(logit_bias=((vocab, 1.0),)), text_case.inputs)
     assert "oov" not in engine.requests
+
+
+def test_min_tokens_holds_off_stop_strings(engine, image_case):
+    full = engine.tokenizer.decode(image_case.expected, skip_special_tokens=True)
+    stop = next(full[i : i + 2] for i in range(len(full) // 2) if full[i : i + 2].strip())
+    tokens, out = generate(engine, image_case.inputs, STEPS, stop=(stop,))
+    assert out.finish_reason == FinishReason.STOP and len(tokens) < STEPS
+    params = SamplingParams(max_new_tokens=STEPS, stop=(stop,), min_tokens=STEPS)
+    engine.add_request("late-stop", params, image_case.inputs)
+    outs = run_to_completion(engine)["late-stop"]
+    assert tokens_of(outs) == image_case.expected
+    assert "".join(o.text for o in outs) == full
+    assert outs[-1].finish_reason == FinishReason.LENGTH

@@ -309,7 +309,9 @@ class LanguageEngine:
             reason = FinishReason.STOP
         elif len(req.output_ids) >= req.max_new_tokens:
             reason = FinishReason.LENGTH
-        text = req.detokenizer.add(token, final=reason != FinishReason.NONE)
+        # as vLLM: stop strings end a request only after its first ``min_tokens`` tokens
+        check_stop = len(req.output_ids) > p.min_tokens
+        text = req.detokenizer.add(token, reason != FinishReason.NONE, check_stop)
         if req.detokenizer.stopped:
             reason = FinishReason.STOP
         if reason != FinishReason.NONE:

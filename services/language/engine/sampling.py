@@ -56,7 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # (0, 10], over the prompt's and the generated tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids unique
     min_p: float = 0.0  # [0, 1]: drop tokens below min_p times the most likely one's probability
-    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    min_tokens: int = 0  # no EOS, stop id or stop string ends it before this many tokens
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
