@@ -13,8 +13,10 @@ Invariants:
 * floats are finite and in range (NaN compares false with every bound, so each check is
   written as ``not (lo <= x <= hi)``);
 * every repeated field and every string or bytes field has an upper bound;
-* ``seed`` is any uint64 and needs no check; ``max_new_tokens`` 0, ``top_p`` 0 and ``top_k`` 0 or
-  -1 keep their proto meaning (server default / off).
+* ``seed`` is any uint64 and needs no check; ``max_new_tokens`` 0, ``top_p`` 0, ``top_k`` 0 or
+  -1 and ``repetition_penalty`` 0 keep their proto meaning (server default / off);
+* ``logit_bias`` ids are checked for sign only: the worker knows its vocabulary and refuses ids
+  past it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from dataclasses import dataclass, fields
 
 import grpc
 
+from common.sampling_bounds import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_REPETITION_PENALTY,
+)
 from protos.epd.v1 import gateway_pb2
 from services.gateway.errors import GatewayError
 
@@ -314,6 +322,7 @@ def _validate_sampling(request: gateway_pb2.GenerateRequest, limits: RequestLimi
         )
     if s.HasField("structured_output"):
         _validate_structured(s.structured_output)
+    _validate_controls(s, limits)
     if len(s.stop_token_ids) > limits.max_stop_token_ids:
         raise invalid(
             f"sampling.stop_token_ids has {len(s.stop_token_ids)} entries, more than the limit "
@@ -333,4 +342,44 @@ def _validate_sampling(request: gateway_pb2.GenerateRequest, limits: RequestLimi
             raise invalid(
                 f"sampling.stop[{i}] is {len(stop)} characters, more than the limit of "
                 f"{limits.max_stop_chars}"
+            )
+
+
+def _validate_controls(s, limits: RequestLimits) -> None:
+    """The logits controls: penalties, ``logit_bias``, ``min_p``, ``min_tokens``."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(s, name)
+        if not (-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY):
+            raise invalid(
+                f"sampling.{name} must be a finite number in [{-MAX_ABS_PENALTY:g}, "
+                f"{MAX_ABS_PENALTY:g}], got {value:g}"
+            )
+    if not (0 <= s.repetition_penalty <= MAX_REPETITION_PENALTY):
+        raise invalid(
+            f"sampling.repetition_penalty must be a finite number in (0, "
+            f"{MAX_REPETITION_PENALTY:g}] (0 or 1 = off), got {s.repetition_penalty:g}"
+        )
+    if not (0 <= s.min_p <= 1):
+        raise invalid(f"sampling.min_p must be a finite number in [0, 1], got {s.min_p:g}")
+    if s.min_tokens > limits.max_new_tokens_limit:
+        raise invalid(
+            f"sampling.min_tokens must be at most {limits.max_new_tokens_limit}, got {s.min_tokens}"
+        )
+    if s.max_new_tokens and s.min_tokens > s.max_new_tokens:
+        raise invalid(
+            f"sampling.min_tokens must be at most max_new_tokens ({s.max_new_tokens}), "
+            f"got {s.min_tokens}"
+        )
+    if len(s.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(
+            f"sampling.logit_bias has {len(s.logit_bias)} entries, more than the limit of "
+            f"{MAX_LOGIT_BIAS_ENTRIES}"
+        )
+    for token_id, bias in sorted(s.logit_bias.items()):
+        if token_id < 0:
+            raise invalid(f"sampling.logit_bias token ids must be >= 0, got {token_id}")
+        if not (-MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
+            raise invalid(
+                f"sampling.logit_bias values must be finite numbers in [{-MAX_ABS_LOGIT_BIAS:g}, "
+                f"{MAX_ABS_LOGIT_BIAS:g}], got {bias:g} for token {token_id}"
             )

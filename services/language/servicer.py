@@ -36,8 +36,8 @@ STATUS_OF_ERROR = {
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    """The proto's unset values (0) mean: the worker's default max_new_tokens, top_p off;
-    top_k -1 is "off" as well, as in other serving APIs."""
+    """The proto's unset values (0) mean: the worker's default max_new_tokens, top_p off,
+    repetition_penalty off (1); top_k -1 is "off" as well, as in other serving APIs."""
     return SamplingParams(
         max_new_tokens=p.max_new_tokens or None,
         temperature=p.temperature,
@@ -49,6 +49,12 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
         top_logprobs=p.top_logprobs,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        min_p=p.min_p,
+        min_tokens=p.min_tokens,
         structured=structured_from_proto(p.structured_output)
         if p.HasField("structured_output")
         else None,

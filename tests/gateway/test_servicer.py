@@ -40,8 +40,17 @@ def test_validation_errors_are_invalid_argument_and_counted(gateway) -> None:
         build_request("hi", temperature=1e-45),
         build_request("hi", [b"a", b"b", b"c"]),  # max_images=2
         build_request("hi", max_tokens=1 << 20),
+        build_request("hi", frequency_penalty=-3.0),
+        build_request("hi", logit_bias={4: float("inf")}),
     ]
-    needles = ["sampling.temperature", "sampling.temperature", "limit of 2 images", "max_new"]
+    needles = [
+        "sampling.temperature",
+        "sampling.temperature",
+        "limit of 2 images",
+        "max_new",
+        "sampling.frequency_penalty must be a finite number in [-2, 2], got -3",
+        "sampling.logit_bias values must be finite numbers in [-100, 100], got inf",
+    ]
     for request, needle in zip(bad, needles, strict=True):
         for rpc in (stub.GenerateUnary, lambda r, **kw: list(stub.Generate(r, **kw))):
             with pytest.raises(grpc.RpcError) as info:

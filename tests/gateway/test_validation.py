@@ -191,6 +191,50 @@ BAD = {
         make_request(top_logprobs=21),
         ["sampling.top_logprobs must be in [0, 20]", "21"],
     ),
+    "frequency_penalty above 2": (
+        make_request(frequency_penalty=2.5),
+        ["sampling.frequency_penalty must be a finite number in [-2, 2], got 2.5"],
+    ),
+    "NaN presence_penalty": (
+        make_request(presence_penalty=float("nan")),
+        ["sampling.presence_penalty", "[-2, 2]", "nan"],
+    ),
+    "negative repetition_penalty": (
+        make_request(repetition_penalty=-1.0),
+        ["sampling.repetition_penalty must be a finite number in (0, 10]", "got -1"],
+    ),
+    "infinite repetition_penalty": (
+        make_request(repetition_penalty=float("inf")),
+        ["sampling.repetition_penalty", "(0, 10]", "inf"],
+    ),
+    "min_p above 1": (
+        make_request(min_p=1.5),
+        ["sampling.min_p must be a finite number in [0, 1], got 1.5"],
+    ),
+    "min_tokens above max_new_tokens": (
+        make_request(max_new_tokens=4, min_tokens=5),
+        ["sampling.min_tokens must be at most max_new_tokens (4), got 5"],
+    ),
+    "min_tokens above the limit": (
+        make_request(min_tokens=501),
+        ["sampling.min_tokens must be at most 500, got 501"],
+    ),
+    "too many logit_bias entries": (
+        make_request(logit_bias={i: 1.0 for i in range(301)}),
+        ["sampling.logit_bias has 301 entries", "limit of 300"],
+    ),
+    "negative logit_bias id": (
+        make_request(logit_bias={5: 1.0, -3: 1.0}),
+        ["sampling.logit_bias token ids must be >= 0, got -3"],
+    ),
+    "logit_bias value above 100": (
+        make_request(logit_bias={5: 100.5}),
+        ["sampling.logit_bias values", "[-100, 100]", "got 100.5 for token 5"],
+    ),
+    "NaN logit_bias value": (
+        make_request(logit_bias={7: float("nan")}),
+        ["sampling.logit_bias values", "[-100, 100]", "got nan for token 7"],
+    ),
     "too many stop ids": (
         make_request(stop_token_ids=[1, 2, 3, 4]),
         ["sampling.stop_token_ids has 4 entries", "limit of 3"],
@@ -255,6 +299,15 @@ def test_edge_values_pass() -> None:
             validate_request(
                 make_request(temperature=temperature, top_p=top_p, top_k=top_k), LIMITS
             )
+    for low, high in ((-2.0, 2.0), (2.0, -2.0)):
+        validate_request(make_request(frequency_penalty=low, presence_penalty=high), LIMITS)
+    for repetition_penalty in (0.0, 1e-3, 1.0, 10.0):  # 0 = unset = off
+        validate_request(make_request(repetition_penalty=repetition_penalty), LIMITS)
+    bias = {i: -100.0 if i % 2 else 100.0 for i in range(300)}
+    bias[2**31 - 1] = bias.pop(0)  # any id: the worker checks its vocabulary
+    edges = dict(logit_bias=bias, min_p=1.0, min_tokens=500, max_new_tokens=500)
+    validate_request(make_request(**edges), LIMITS)
+    validate_request(make_request(min_tokens=500), LIMITS)  # max_new_tokens is the default
 
 
 def test_base64_bound_is_the_base64_of_the_byte_bound() -> None:

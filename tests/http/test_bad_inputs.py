@@ -181,6 +181,72 @@ CASES: dict[str, tuple[dict, dict, str, list[str]]] = {
         "top_logprobs",
         ["top_logprobs is not supported"],
     ),
+    "frequency_penalty above 2": (
+        edit(lambda b: None, frequency_penalty=2.5),
+        {},
+        "frequency_penalty",
+        ["frequency_penalty must be a finite number in [-2, 2], got 2.5"],
+    ),
+    "NaN presence_penalty": (
+        edit(lambda b: None, presence_penalty=float("nan")),
+        {},
+        "presence_penalty",
+        ["[-2, 2]", "nan"],
+    ),
+    "negative repetition_penalty": (
+        edit(lambda b: None, repetition_penalty=-1.0),
+        {},
+        "repetition_penalty",
+        ["repetition_penalty must be a finite number in (0, 10]", "got -1"],
+    ),
+    "infinite repetition_penalty": (
+        edit(lambda b: None, repetition_penalty=1e39),  # inf as a proto float
+        {},
+        "repetition_penalty",
+        ["(0, 10]", "inf"],
+    ),
+    "min_p above 1": (
+        edit(lambda b: None, min_p=1.5),
+        {},
+        "min_p",
+        ["min_p must be a finite number in [0, 1], got 1.5"],
+    ),
+    "min_tokens above max_new_tokens": (
+        edit(lambda b: None, max_tokens=4, min_tokens=5),
+        {},
+        "min_tokens",
+        ["min_tokens must be at most max_tokens (4), got 5"],
+    ),
+    "min_tokens above the limit": (
+        edit(lambda b: None, min_tokens=501),
+        {},
+        "min_tokens",
+        ["min_tokens must be at most 500, got 501"],
+    ),
+    "too many logit_bias entries": (
+        edit(lambda b: None, logit_bias={str(i): 1.0 for i in range(301)}),
+        {},
+        "logit_bias",
+        ["logit_bias has 301 entries", "limit of 300"],
+    ),
+    "negative logit_bias id": (
+        edit(lambda b: None, logit_bias={"5": 1.0, "-3": 1.0}),
+        {},
+        "logit_bias",
+        ["logit_bias token ids must be >= 0, got -3"],
+    ),
+    "logit_bias value above 100": (
+        edit(lambda b: None, logit_bias={"5": 100.5}),
+        {},
+        "logit_bias",
+        ["logit_bias values", "[-100, 100]", "got 100.5 for token 5"],
+    ),
+    "NaN logit_bias value": (
+        edit(lambda b: None, logit_bias={"7": float("nan")}),
+        {},
+        "logit_bias",
+        ["logit_bias values", "[-100, 100]", "got nan for token 7"],
+    ),
     "too many stop ids": (
         edit(lambda b: None, stop_token_ids=[1, 2, 3, 4]),
         {},

@@ -93,10 +93,40 @@ HTTP_ONLY: dict[str, tuple[dict | bytes, str | None, list[str]]] = {
         "response_format.type",
         ["response_format.type must be 'text', 'json_object' or 'json_schema', got 'yaml'"],
     ),
-    "presence penalty": (
-        edit(lambda b: None, presence_penalty=0.5),
-        "presence_penalty",
-        ["not supported"],
+    "logit_bias key not a number": (
+        edit(lambda b: None, logit_bias={"12": 1.0, "dog": 2.0}),
+        "logit_bias",
+        ["logit_bias keys must be token ids written as strings of digits, got 'dog'"],
+    ),
+    "logit_bias id past int32": (
+        edit(lambda b: None, logit_bias={str(1 << 40): 1.0}),
+        "logit_bias",
+        ["logit_bias token ids must be in [0, 2147483647]"],
+    ),
+    "logit_bias id twice": (
+        edit(lambda b: None, logit_bias={"7": 1.0, "007": 2.0}),
+        "logit_bias",
+        ["token id 7 twice"],
+    ),
+    "logit_bias value a word": (
+        edit(lambda b: None, logit_bias={"7": "up"}),
+        "logit_bias.7",
+        ["logit_bias.7: Input should be a valid number"],
+    ),
+    "repetition_penalty 0": (
+        edit(lambda b: None, repetition_penalty=0),
+        "repetition_penalty",
+        ["repetition_penalty must be a finite number in (0, 10], got 0"],
+    ),
+    "negative min_tokens": (
+        edit(lambda b: None, min_tokens=-1),
+        "min_tokens",
+        ["min_tokens must be in [0, 4294967295], got -1"],
+    ),
+    "min_tokens above max_completion_tokens": (
+        edit(lambda b: None, max_completion_tokens=3, min_tokens=4),
+        "min_tokens",
+        ["min_tokens must be at most max_completion_tokens (3), got 4"],
     ),
     "max_tokens 0": (edit(lambda b: None, max_tokens=0), "max_tokens", ["at least 1, got 0"]),
     "max_completion_tokens past uint32": (

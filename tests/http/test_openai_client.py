@@ -3,9 +3,10 @@
 Greedy answers through HTTP equal what gRPC ``Generate`` returns for the same messages (text,
 and with an image sent as a data URL); streamed deltas concatenate to the non-streamed text;
 usage is right, with cached prompt tokens on a repeat; the model list is the checkpoint's
-name; sampling extensions (seed, top_k, stop strings) behave as on gRPC; refusals arrive as the
-client's own exception types; both front doors count in one series, told apart by ``api``;
-the status page's state follows the traffic.
+name; sampling extensions (seed, top_k, stop strings) behave as on gRPC; the logits controls
+(penalties, logit_bias, min_p, min_tokens) reach the worker as a gRPC client's do; refusals
+arrive as the client's own exception types; both front doors count in one series, told apart
+by ``api``; the status page's state follows the traffic.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.language.model.config import TextModelConfig
 from tests.http.conftest import ARCH, IMAGE_URL, image_message, outcomes, wait_for
 
 MAX_TOKENS = 12
@@ -49,10 +51,14 @@ def to_proto(messages: list[dict]) -> list[common_pb2.ChatMessage]:
 
 
 def grpc_greedy(stack, messages: list[dict], max_tokens: int) -> gateway_pb2.GenerateResponse:
-    request = gateway_pb2.GenerateRequest(
-        messages=to_proto(messages),
-        sampling=common_pb2.SamplingParams(max_new_tokens=max_tokens, ignore_eos=True),
-    )
+    sampling = common_pb2.SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
+    return grpc_generate(stack, messages, sampling)
+
+
+def grpc_generate(
+    stack, messages: list[dict], sampling: common_pb2.SamplingParams
+) -> gateway_pb2.GenerateResponse:
+    request = gateway_pb2.GenerateRequest(messages=to_proto(messages), sampling=sampling)
     with stack.channel() as channel:
         return gateway_pb2_grpc.GatewayStub(channel).GenerateUnary(request, timeout=120)
 
@@ -153,6 +159,69 @@ def test_sampling_options(client, model) -> None:
         )
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.choices[0].message.content == text[: text.index(stop)]
+
+
+def test_logits_controls_reach_the_worker_as_grpc_ones_do(http_stack, client, model) -> None:
+    messages = [{"role": "user", "content": f"Count for me. {uuid.uuid4().hex}"}]
+    controls = dict(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.3)
+    controls.update(min_p=0.1, min_tokens=3)
+    sampling = common_pb2.SamplingParams(
+        max_new_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={17: 2.0}, **controls
+    )
+    expected = grpc_generate(http_stack, messages, sampling)
+    assert expected.token_ids != grpc_greedy(http_stack, messages, MAX_TOKENS).token_ids
+    reply = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        frequency_penalty=controls.pop("frequency_penalty"),
+        presence_penalty=controls.pop("presence_penalty"),
+        logit_bias={"17": 2.0},
+        extra_body={"ignore_eos": True, **controls},
+    )
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.completion_tokens == MAX_TOKENS
+    forced = common_pb2.SamplingParams(max_new_tokens=4, logit_bias={123: 100.0})
+    assert list(grpc_generate(http_stack, messages, forced).token_ids) == [123] * 4
+
+
+def test_min_tokens_decodes_past_a_forced_eos(client, model, tiny_model_dir) -> None:
+    eos = TextModelConfig.from_pretrained(tiny_model_dir(ARCH)).eos_token_ids[0]
+    messages = [{"role": "user", "content": f"Stop at once. {uuid.uuid4().hex}"}]
+    for min_tokens, num_tokens in ((None, 1), (0, 1), (3, 4)):
+        reply = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logit_bias={str(eos): 100},
+            extra_body={} if min_tokens is None else {"min_tokens": min_tokens},
+        )
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens == num_tokens, min_tokens
+
+
+def test_bad_logits_controls_are_400_naming_the_field(client, model, tiny_model_dir) -> None:
+    vocab = TextModelConfig.from_pretrained(tiny_model_dir(ARCH)).vocab_size
+    messages = [{"role": "user", "content": "Hi"}]
+    cases = [
+        (dict(frequency_penalty=3), "frequency_penalty", "in [-2, 2], got 3"),
+        (dict(presence_penalty=-2.5), "presence_penalty", "in [-2, 2], got -2.5"),
+        (dict(logit_bias={"5": 101}), "logit_bias", "in [-100, 100], got 101 for token 5"),
+        (dict(logit_bias={"x": 1}), "logit_bias", "got 'x'"),
+        # the worker knows its vocabulary: its refusal names the field in its message (the
+        # gateway puts the worker's name first, so no JSON path is told apart)
+        (dict(logit_bias={str(vocab): 1}), None, f"logit_bias token ids must be in [0, {vocab})"),
+        (dict(extra_body={"repetition_penalty": 11}), "repetition_penalty", "(0, 10]"),
+        (dict(extra_body={"min_p": 2}), "min_p", "in [0, 1], got 2"),
+        (dict(max_tokens=2, extra_body={"min_tokens": 3}), "min_tokens", "max_tokens (2), got 3"),
+    ]
+    for kwargs, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, messages=messages, **kwargs)
+        assert info.value.body["param"] == param, kwargs
+        assert words in info.value.body["message"], (words, info.value.body["message"])
 
 
 def test_refusals_are_the_clients_exceptions(client, model) -> None:

@@ -26,6 +26,9 @@ from services.gateway.validation import RequestLimits
         ("sampling.max_new_tokens must be at most 5 (0 = the server default), got 6",
          "max_completion_tokens", "max_completion_tokens must be at most 5, got 6"),
         ("sampling.stop[1] must not be empty", "stop[1]", "stop[1] must not be empty"),
+        ("sampling.logit_bias token ids must be in [0, 400), got 400", "logit_bias",
+         "logit_bias token ids must be in [0, 400), got 400"),
+        ("sampling.min_p must be x", "min_p", "min_p must be x"),
         ("messages[0].content[1].image.base64 is 9 characters",
          "messages[0].content[1].image_url.url",
          "messages[0].content[1].image_url.url is 9 characters"),
@@ -66,6 +69,12 @@ def test_body_becomes_the_same_proto_a_grpc_client_sends() -> None:
             "top_k": 5,
             "ignore_eos": True,
             "stop_token_ids": [3],
+            "frequency_penalty": 0.5,
+            "presence_penalty": -0.25,
+            "logit_bias": {"12": 3.5, "0": -100},
+            "repetition_penalty": 1.25,
+            "min_p": 0.125,
+            "min_tokens": 2,
             "user": "ignored",
         }
     )
@@ -96,6 +105,12 @@ def test_body_becomes_the_same_proto_a_grpc_client_sends() -> None:
             stop=["END"],
             stop_token_ids=[3],
             ignore_eos=True,
+            frequency_penalty=0.5,
+            presence_penalty=-0.25,
+            repetition_penalty=1.25,
+            logit_bias={12: 3.5, 0: -100.0},
+            min_p=0.125,
+            min_tokens=2,
         ),  # fmt: skip
     )
     assert request == expected

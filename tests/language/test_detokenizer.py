@@ -139,6 +139,19 @@ def test_stop_string_tail_is_held_back_then_released(tokenizer):
     assert all(not piece.endswith(("a", "ab")) for piece in pieces[:-1])
 
 
+def test_unchecked_tokens_release_a_stop_string_as_text(tokenizer):
+    ids = tokenizer("one two one two three", add_special_tokens=False).input_ids
+    full = full_decode(tokenizer, ids)
+    first = len(tokenizer("one two", add_special_tokens=False).input_ids)
+    for checked_from, expected in ((0, "one "), (first, "one two one ")):
+        detok = IncrementalDetokenizer(tokenizer, ("two",))
+        pieces = [
+            detok.add(token, final=i == len(ids) - 1, check_stop=i >= checked_from)
+            for i, token in enumerate(ids)
+        ]
+        assert detok.stopped and "".join(pieces) == expected == full[: len(expected)]
+
+
 class CountingTokenizer:
     """Records how many tokens each decode call was given."""
 

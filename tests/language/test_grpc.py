@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.models.hf_reference import HFReference
 from common.transfer.config import TransferConfig
 from protos.epd.v1 import common_pb2, language_pb2, language_pb2_grpc
+from services.language.model.config import TextModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,13 +117,19 @@ def generate_error(stub, request) -> grpc.RpcError:
 
 
 def test_bad_sampling_is_invalid_argument_naming_the_field(server):
-    _, channel, _ = server
+    model, channel, _ = server
+    vocab = TextModelConfig.from_pretrained(model).vocab_size
     stub = language_pb2_grpc.LanguageServiceStub(channel)
     cases = [
         ("temperature", float("nan"), "temperature must be a finite number in [0, 100]"),
         ("temperature", 1e9, "temperature must be a finite number in [0, 100]"),
         ("top_p", 1.5, "top_p must be a finite number in (0, 1]"),
         ("top_k", -7, "top_k must be >= 0"),
+        ("frequency_penalty", 3.0, "frequency_penalty must be a finite number in [-2, 2]"),
+        ("presence_penalty", float("nan"), "presence_penalty must be a finite number in [-2, 2]"),
+        ("repetition_penalty", -1.0, "repetition_penalty must be a finite number in (0, 10]"),
+        ("min_p", 1.5, "min_p must be a finite number in [0, 1]"),
+        ("min_tokens", 9, "min_tokens must be at most max_new_tokens (8)"),
     ]
     for i, (name, value, message) in enumerate(cases):
         request = text_request(f"bad{i}", "hello")
@@ -133,6 +140,12 @@ def test_bad_sampling_is_invalid_argument_naming_the_field(server):
     request.sampling.stop_token_ids.append(-3)
     err = generate_error(stub, request)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in err.details()
+    for token_id, words in ((-1, ">= 0, got -1"), (1 << 20, f"in [0, {vocab})")):
+        request = text_request(f"bad-bias{token_id}", "hello")
+        request.sampling.logit_bias[token_id] = 1.0
+        err = generate_error(stub, request)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+        assert f"logit_bias token ids must be {words}" in err.details()
     # a temperature below 1e-2 is served (clamped), and so is top_k -1 ("off")
     request = text_request("tiny-t", "hello", 4)
     request.sampling.temperature, request.sampling.top_k = 1e-30, -1
@@ -141,6 +154,13 @@ def test_bad_sampling_is_invalid_argument_naming_the_field(server):
         common_pb2.FINISH_REASON_LENGTH,
         common_pb2.FINISH_REASON_STOP,
     )
+    # the controls are served; repetition_penalty 0 is the proto's unset (off)
+    request = text_request("controls", "hello", 5)
+    s = request.sampling
+    s.frequency_penalty, s.presence_penalty, s.min_p, s.min_tokens = 0.5, 0.5, 0.1, 5
+    s.logit_bias[vocab - 1] = 100.0
+    chunks = list(stub.Generate(request, timeout=30))
+    assert [t for c in chunks for t in c.token_ids] == [vocab - 1] * 5
 
 
 def test_over_max_seq_len_names_both_numbers(server):

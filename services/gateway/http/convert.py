@@ -7,8 +7,10 @@ of the JSON is message ``i`` part ``j`` of the proto. That 1:1 mapping is what l
 
 Checked here, with a 400 naming the JSON path: what only HTTP has (the shape of messages and
 parts, part types, image URL forms, ``n``, ``stream_options``, fields asking for something
-this server does not do) and values the proto cannot hold (negative or out-of-range integers).
-Every other bound is the gateway's validation's (``validation.validate_request``).
+this server does not do), values the proto cannot hold (negative or out-of-range integers,
+``logit_bias`` keys that are not integers, a ``repetition_penalty`` of 0, which the proto reads
+as unset) and ``min_tokens`` past ``max_tokens`` (named as the request names it). Every other
+bound is the gateway's validation's (``validation.validate_request``).
 
 Image URLs: a ``data:`` URL must be base64 (``data:image/png;base64,...``) and travels as
 ``ImageSource.base64``; an ``http(s)`` URL travels as ``ImageSource.url`` and the encoders'
@@ -22,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.sampling_bounds import MAX_LOGIT_BIAS_ENTRIES, MAX_REPETITION_PENALTY
 from protos.epd.v1 import common_pb2, gateway_pb2
 from services.gateway.http.errors import HttpError, invalid
 from services.gateway.http.schemas import ChatCompletionRequest
@@ -39,6 +42,7 @@ FIELD_PATH = re.compile(
 )
 WORKER_PREFIX = "language worker "  # how the gateway names a worker whose refusal it passes on
 SEGMENT = re.compile(r"\.?([a-z_0-9]+)(?:\[(\d+)\])?")
+TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # a logit_bias key: a token id written as a string
 SAMPLING_NAMES = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -47,6 +51,12 @@ SAMPLING_NAMES = {
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "min_p": "min_p",
+    "min_tokens": "min_tokens",
 }
 
 
@@ -141,11 +151,6 @@ def _check_http_only(body: ChatCompletionRequest) -> None:
         raise invalid("logprobs is not supported", "logprobs")
     if body.top_logprobs:
         raise invalid("top_logprobs is not supported", "top_logprobs")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name):
-            raise invalid(f"{name} is not supported (only 0)", name)
-    if body.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias")
 
 
 def _check_counts(messages: list[Any], limits: RequestLimits) -> None:
@@ -342,7 +347,55 @@ def _sampling(
     structured, names.structured_name = structured_output(body)
     if structured is not None:
         s.structured_output.CopyFrom(structured)
+    _controls(body, s, name, value)
     return s
+
+
+def _controls(
+    body: ChatCompletionRequest, s: common_pb2.SamplingParams, max_name: str, max_value: int | None
+) -> None:
+    """The logits controls; bounds are the gateway's, except what the proto cannot hold."""
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(s, name, value)
+    if body.repetition_penalty is not None and body.repetition_penalty <= 0:
+        raise invalid(  # 0 would travel as "unset" (off)
+            f"repetition_penalty must be a finite number in (0, {MAX_REPETITION_PENALTY:g}], "
+            f"got {body.repetition_penalty:g}",
+            "repetition_penalty",
+        )
+    if body.min_tokens is not None:
+        if not 0 <= body.min_tokens <= MAX_UINT32:
+            raise invalid(
+                f"min_tokens must be in [0, {MAX_UINT32}], got {body.min_tokens}", "min_tokens"
+            )
+        if max_value is not None and body.min_tokens > max_value:
+            raise invalid(
+                f"min_tokens must be at most {max_name} ({max_value}), got {body.min_tokens}",
+                "min_tokens",
+            )
+        s.min_tokens = body.min_tokens
+    bias = body.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:  # before converting a huge map
+        raise invalid(
+            f"logit_bias has {len(bias)} entries, more than the limit of {MAX_LOGIT_BIAS_ENTRIES}",
+            "logit_bias",
+        )
+    for key, value in bias.items():
+        if TOKEN_ID_KEY.fullmatch(key) is None:
+            raise invalid(
+                f"logit_bias keys must be token ids written as strings of digits, got {key!r}",
+                "logit_bias",
+            )
+        token_id = int(key)
+        if not -MAX_INT32 <= token_id <= MAX_INT32:  # the gateway refuses negatives itself
+            raise invalid(
+                f"logit_bias token ids must be in [0, {MAX_INT32}], got {token_id}", "logit_bias"
+            )
+        if token_id in s.logit_bias:  # "7" and "007"
+            raise invalid(f"logit_bias has token id {token_id} twice", "logit_bias")
+        s.logit_bias[token_id] = value
 
 
 def _json_type(value: Any) -> str:

@@ -18,6 +18,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
+from common.sampling_bounds import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_REPETITION_PENALTY,
+)
 from services.gateway.validation import MAX_TEMPERATURE
 
 MAX_SEED = (1 << 64) - 1
@@ -139,6 +145,29 @@ class ChatCompletionRequest(BaseModel):
     n: int | None = Field(
         None, description="only 1", json_schema_extra={"minimum": 1, "maximum": 1}
     )
+    frequency_penalty: float | None = Field(
+        None,
+        description="minus this times each generated token's count",
+        json_schema_extra={"minimum": -MAX_ABS_PENALTY, "maximum": MAX_ABS_PENALTY},
+    )
+    presence_penalty: float | None = Field(
+        None,
+        description="minus this once for each token generated so far",
+        json_schema_extra={"minimum": -MAX_ABS_PENALTY, "maximum": MAX_ABS_PENALTY},
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="token id (as a string) -> bias added to its logit",
+        json_schema_extra={
+            "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {
+                "type": "number",
+                "minimum": -MAX_ABS_LOGIT_BIAS,
+                "maximum": MAX_ABS_LOGIT_BIAS,
+            },
+        },
+    )
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # Extensions, as SGLang and vLLM accept them.
@@ -149,12 +178,25 @@ class ChatCompletionRequest(BaseModel):
     stop_token_ids: (
         list[Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0})]] | None
     ) = Field(None, description="extension: stop at these ids")
+    repetition_penalty: float | None = Field(
+        None,
+        description="extension: 1 = off; divides positive (multiplies negative) logits of the "
+        "prompt's and generated tokens",
+        json_schema_extra={"exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY},
+    )
+    min_p: float | None = Field(
+        None,
+        description="extension: drop tokens below min_p times the most likely one's probability",
+        json_schema_extra={"minimum": 0, "maximum": 1},
+    )
+    min_tokens: int | None = Field(
+        None,
+        description="extension: EOS and stop_token_ids are masked until this many tokens",
+        json_schema_extra={"minimum": 0},
+    )
     # Accepted for compatibility; refused unless they ask for nothing this server cannot do.
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     tools: list[dict[str, Any]] | None = Field(
         None, description="functions the model may call ({type: function, function: {...}})"
     )

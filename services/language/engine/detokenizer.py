@@ -19,6 +19,8 @@ Metaspace; not tokenizers that rewrite spaces across tokens).
 
 Stop strings: released text never contains the start of a stop string that the next tokens
 could complete; that tail (at most the longest stop string less one character) is held back.
+A token added with ``check_stop=False`` (one of a request's first ``min_tokens``) cannot end the
+text: a stop string it completes is released as text, except the tail that could begin another.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # tokens before this one have been decoded into text
         self._pending = ""  # decoded text not released yet (may start a stop string)
 
-    def add(self, token_id: int, final: bool = False) -> str:
-        """Append a token; returns the newly released text (all the rest when ``final``)."""
+    def add(self, token_id: int, final: bool = False, check_stop: bool = True) -> str:
+        """Append a token; returns the newly released text (all the rest when ``final``).
+        With ``check_stop`` False, stop strings do not end the text at this token."""
         if self.stopped:
             return ""
         self.token_ids.append(token_id)
         self._pending += self._decode_new(force=final)
-        if self.stop:
+        if self.stop and check_stop:
             at = self._find_stop()
             if at >= 0:
                 self._pending, self.stopped = self._pending[:at], True

@@ -21,9 +21,10 @@ from services.language.config import LanguageConfig
 from services.language.engine.cache_manager import CacheManager
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars, Guide, apply_masks
-from services.language.engine.intake import Limits, check_inputs
+from services.language.engine.intake import Limits, check_inputs, check_sampling
 from services.language.engine.model_runner import ModelRunner, RunResult
 from services.language.engine.outputs import EngineLoad, request_output
+from services.language.engine.penalties import process_logits
 from services.language.engine.request import (
     ErrorKind,
     FinishReason,
@@ -109,10 +110,12 @@ class LanguageEngine:
         room is added to the embedding source when there is one; tests deliver inputs with
         ``deliver_inputs``). A request with structured output takes ``guide`` (made by
         ``self.grammars.guide`` off the engine's thread), or gets one made here. Raises
-        RequestError (INVALID_ARGUMENT) for a duplicate id, a room in use or missing, a prompt
-        that does not fit ``max_seq_len``, or a structured output that is no usable language."""
+        RequestError (INVALID_ARGUMENT) for a duplicate id, a ``logit_bias`` id outside the
+        vocabulary, a room in use or missing, a prompt that does not fit ``max_seq_len``, or a
+        structured output that is no usable language."""
         if request_id in self.requests:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"duplicate request id {request_id!r}")
+        check_sampling(params, self.limits)
         if guide is None and params.structured is not None:
             guide = self.grammars.guide(params.structured)
         req = Request(request_id, params, IncrementalDetokenizer(self.tokenizer, params.stop))
@@ -274,11 +277,13 @@ class LanguageEngine:
             for c, exc in result.failed
         ]
         sampled = [c for c in result.chunks if c.sample]
-        tokens = (
-            sample(self._constrained(result.logits, sampled), [c.req.sampler for c in sampled])
-            if sampled
-            else []
-        )
+        tokens: list[int | Exception] = []
+        if sampled:
+            # the raw ``result.logits`` stay the model's: log-probabilities are taken from them
+            eos_ids = self.model_config.eos_token_ids
+            logits = process_logits(result.logits, [c.req for c in sampled], eos_ids)
+            logits = self._constrained(logits, sampled, owned=logits is not result.logits)
+            tokens = sample(logits, [c.req.sampler for c in sampled])
         for chunk in result.chunks:
             chunk.req.num_computed = chunk.end
         for row, (chunk, token) in enumerate(zip(sampled, tokens, strict=True)):
@@ -301,11 +306,12 @@ class LanguageEngine:
         return outputs
 
     @staticmethod
-    def _constrained(logits: torch.Tensor, sampled: list) -> torch.Tensor:
-        """The logits the sampler draws from: the model's, with structured output's masks on
-        the rows that have one (a copy then: log-probabilities stay the model's)."""
+    def _constrained(logits: torch.Tensor, sampled: list, owned: bool) -> torch.Tensor:
+        """``logits`` with structured output's masks on the rows that have one: written in
+        place when ``owned`` (a copy the penalties made), else into a copy (log-probabilities
+        stay the model's)."""
         guided = [(row, c.req.guide) for row, c in enumerate(sampled) if c.req.guide is not None]
-        return apply_masks(logits, [row for row, _ in guided], [g for _, g in guided])
+        return apply_masks(logits, [row for row, _ in guided], [g for _, g in guided], owned)
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         if not req.first_token_time:
@@ -321,7 +327,9 @@ class LanguageEngine:
             reason = FinishReason.STOP  # the structured output is complete
         elif len(req.output_ids) >= req.max_new_tokens:
             reason = FinishReason.LENGTH
-        text = req.detokenizer.add(token, final=reason != FinishReason.NONE)
+        # as vLLM: stop strings end a request only after its first ``min_tokens`` tokens
+        check_stop = len(req.output_ids) > p.min_tokens
+        text = req.detokenizer.add(token, reason != FinishReason.NONE, check_stop)
         if req.detokenizer.stopped:
             reason = FinishReason.STOP
         if reason != FinishReason.NONE:

@@ -174,10 +174,13 @@ class Grammars:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], guides: list[Guide]) -> torch.Tensor:
+def apply_masks(
+    logits: torch.Tensor, rows: list[int], guides: list[Guide], owned: bool = False
+) -> torch.Tensor:
     """``logits`` [S, vocab] with the tokens each guided row's language forbids at -inf: a new
     tensor when ``rows`` is not empty (the caller's logits stay the model's, for
-    log-probabilities), ``logits`` itself otherwise.
+    log-probabilities) unless ``owned`` says ``logits`` is already a private copy to write
+    into; ``logits`` itself when ``rows`` is empty.
 
     NOTE: as ``x * allowed + log(allowed)`` in one ``addcmul`` (``log`` written as
     ``(allowed - 1) / allowed``: 0 or -inf): a third of ``masked_fill``'s time on this
@@ -192,6 +195,6 @@ def apply_masks(logits: torch.Tensor, rows: list[int], guides: list[Guide]) -> t
     bits = np.unpackbits(masks, axis=1, bitorder="little", count=vocab)
     allowed = torch.from_numpy(bits).to(device=logits.device, dtype=logits.dtype)
     index = torch.tensor(rows, device=logits.device)
-    out = logits.clone()
+    out = logits if owned else logits.clone()
     out[index] = torch.addcmul((allowed - 1) / allowed, logits[index], allowed)
     return out

@@ -3,7 +3,9 @@
 A prompt that can never be served is refused here with ``RequestError(INVALID_ARGUMENT)`` naming
 the problem and the bound: text-only requests when they are submitted, requests with a room
 when their prompt arrives. What passes is consistent with the model: one image row of the right
-width per image token, no negative ids, prompt + completion within ``max_seq_len``.
+width per image token, no negative ids, prompt + completion within ``max_seq_len``. Sampling
+settings that depend on the model (``logit_bias`` ids within the vocabulary) are checked when a
+request is added.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ class Limits:
 
 def invalid(message: str) -> RequestError:
     return RequestError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+def check_sampling(params: SamplingParams, limits: Limits) -> None:
+    """What ``SamplingParams`` cannot check alone: ``logit_bias`` ids within the vocabulary."""
+    for token_id, _ in params.logit_bias:
+        if token_id >= limits.vocab_size:
+            raise invalid(
+                f"sampling.logit_bias token ids must be in [0, {limits.vocab_size}) (this "
+                f"model's vocabulary), got {token_id}"
+            )
 
 
 def check_inputs(

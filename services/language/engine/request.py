@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from services.language.engine.detokenizer import IncrementalDetokenizer
+from services.language.engine.penalties import TokenHistory
 from services.language.engine.sampling import SamplerState, SamplingParams, TokenLogprob
 from services.language.inputs import PromptInputs
 from services.language.kvcache.key import make_key
@@ -109,6 +110,7 @@ class Request:
     prompt_key: np.ndarray | None = None  # radix key records of the prompt (see kvcache/key.py)
     sampler: SamplerState | None = None
     guide: Any = None  # structured output's ``grammar.Guide``, when the params ask for one
+    token_history: TokenHistory | None = None  # for the penalties, built at its first use
     finish_reason: FinishReason = FinishReason.NONE
     arrival_time: float = field(default_factory=time.monotonic)
     inputs_time: float = 0.0  # prompt complete (embeddings received, or at once for text)

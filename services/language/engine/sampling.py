@@ -1,5 +1,6 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seed;
-structured output's token masks are ``grammar.py``'s).
+"""Sampling parameters and the sampler (greedy, temperature, min-p, top-k, top-p, per-request
+seed). The logits controls that come before the sampler (logit_bias, min_tokens, penalties) are
+``penalties.py``'s; structured output's token masks are ``grammar.py``'s.
 
 ``SamplingParams`` refuses values the sampler cannot use (a ValueError naming the field and its
 bound), so a bad request is turned away at admission instead of failing inside a batch. The
@@ -20,6 +21,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+
+from common.sampling_bounds import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_REPETITION_PENALTY,
+)
 
 MAX_TEMPERATURE = 100.0
 MIN_TEMPERATURE = 1e-2  # sampling temperatures below this are clamped up to it
@@ -72,6 +80,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # report each token's log-probability (see ``token_logprob``)
     top_logprobs: int = 0  # and the step's most likely tokens; > 0 implies logprobs
+    # logits controls (``penalties.py``), each off at its default
+    frequency_penalty: float = 0.0  # [-2, 2], times each generated token's count
+    presence_penalty: float = 0.0  # [-2, 2], once for each token generated so far
+    repetition_penalty: float = 1.0  # (0, 10], over the prompt's and the generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids unique
+    min_p: float = 0.0  # [0, 1]: drop tokens below min_p times the most likely one's probability
+    min_tokens: int = 0  # no EOS, stop id or stop string ends it before this many tokens
     structured: StructuredOutput | None = None  # the language the output must be in
 
     def __post_init__(self) -> None:
@@ -93,10 +108,66 @@ class SamplingParams:
             raise ValueError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
             )
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY):  # NaN fails too
+                raise ValueError(
+                    f"{name} must be a finite number in [{-MAX_ABS_PENALTY:g}, "
+                    f"{MAX_ABS_PENALTY:g}], got {value}"
+                )
+        if not (0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise ValueError(
+                f"repetition_penalty must be a finite number in (0, {MAX_REPETITION_PENALTY:g}] "
+                f"(1 = off), got {self.repetition_penalty}"
+            )
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be a finite number in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_tokens}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} entries, more than the limit of "
+                f"{MAX_LOGIT_BIAS_ENTRIES}"
+            )
+        seen: set[int] = set()
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token_id}")
+            if token_id in seen:
+                raise ValueError(f"logit_bias has token id {token_id} twice")
+            seen.add(token_id)
+            if not (-MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias values must be finite numbers in [{-MAX_ABS_LOGIT_BIAS:g}, "
+                    f"{MAX_ABS_LOGIT_BIAS:g}], got {bias} for token {token_id}"
+                )
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the repetition, frequency or presence penalty is on (they need the
+        request's token history)."""
+        return (
+            self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def uses_logits_controls(self) -> bool:
+        """Whether ``penalties.process_logits`` changes this request's logits at some step."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.uses_penalties
 
 
 @dataclass
@@ -114,11 +185,15 @@ class SamplerState:
         return cls(params, gen)
 
     def sample(self, row: torch.Tensor) -> int:
-        """One token from ``row`` [vocab] (float32, CPU, finite)."""
+        """One token from ``row`` [vocab] (float32, CPU, finite): temperature, then min-p,
+        top-k and top-p (vLLM's order), then a draw."""
         p = self.params
         if p.temperature == 0:
             return int(row.argmax())
         row = row / max(p.temperature, MIN_TEMPERATURE)
+        if p.min_p > 0:
+            probs = torch.softmax(row, dim=-1)
+            row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if 0 < p.top_k < row.shape[0]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
