@@ -210,9 +210,12 @@ def test_bad_logits_controls_are_400_naming_the_field(client, model, tiny_model_
         (dict(presence_penalty=-2.5), "presence_penalty", "in [-2, 2], got -2.5"),
         (dict(logit_bias={"5": 101}), "logit_bias", "in [-100, 100], got 101 for token 5"),
         (dict(logit_bias={"x": 1}), "logit_bias", "got 'x'"),
-        # the worker knows its vocabulary: its refusal names the field in its message (the
-        # gateway puts the worker's name first, so no JSON path is told apart)
-        (dict(logit_bias={str(vocab): 1}), None, f"logit_bias token ids must be in [0, {vocab})"),
+        # the worker knows its vocabulary: its refusal names the field too
+        (
+            dict(logit_bias={str(vocab): 1}),
+            "logit_bias",
+            f"logit_bias token ids must be in [0, {vocab})",
+        ),
         (dict(extra_body={"repetition_penalty": 11}), "repetition_penalty", "(0, 10]"),
         (dict(extra_body={"min_p": 2}), "min_p", "in [0, 1], got 2"),
         (dict(max_tokens=2, extra_body={"min_tokens": 3}), "min_tokens", "max_tokens (2), got 3"),
