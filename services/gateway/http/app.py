@@ -44,8 +44,8 @@ from services.gateway.http.convert import check_model, model_not_found, to_gener
 from services.gateway.http.dashboard import DashboardSampler
 from services.gateway.http.errors import HttpError, from_gateway, invalid, outcome_of, status_error
 from services.gateway.http.guard import Guard, key_problem
-from services.gateway.http.replies import Head, dumps
-from services.gateway.http.responses import ChatResponse
+from services.gateway.http.replies import ChunkWriter, Head, dumps
+from services.gateway.http.responses import AnswerResponse
 from services.gateway.registry import ROLES, Role, WorkerRegistry
 from services.gateway.servicer import identity
 
@@ -157,8 +157,9 @@ def create_app(ctx: HttpContext) -> ASGIApp:
         pump = ChunkPump(chunks, admitted.cancel, ctx.executor)
         head = Head(f"chatcmpl-{admitted.request_id}", int(time.time()), model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        writer = ChunkWriter(head, include_usage, bool(body.logprobs))
         headers = {"x-request-id": admitted.request_id}
-        return ChatResponse(pump, head, names, bool(body.stream), include_usage, headers)
+        return AnswerResponse(pump, writer, names, bool(body.stream), headers)
 
     @app.get("/v1/models", response_model=schemas.ModelList, responses=ERRORS)
     async def list_models() -> Response:

@@ -6,6 +6,13 @@ the text the language worker produced (chunks with no text are skipped), the las
 finish reason; with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one
 more chunk with no choices carries the usage. The stream ends with ``data: [DONE]``; an error
 after the stream began is one ``data: {"error": ...}`` event before it.
+
+Log-probabilities (``logprobs: true``) follow the tokens, one entry per generated token (the
+end-of-turn token and the tokens that completed a stop string included, though their text is
+not in the content), so their count is ``usage.completion_tokens``. A streamed delta carries the
+entries of the tokens that arrived since the previous delta: text the worker holds back (a
+possible stop string, part of a character) delays the entries with it, and the finish delta
+carries what is left.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import json
 from dataclasses import dataclass
 
 from protos.epd.v1 import common_pb2, gateway_pb2
+from services.gateway.http.logprobs import chat_logprobs
 
 FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 DONE = b"data: [DONE]\n\n"
@@ -54,7 +62,13 @@ class Head:
     model: str
 
 
-def completion(head: Head, text: str, final: gateway_pb2.GenerateChunk) -> dict:
+def completion(
+    head: Head,
+    text: str,
+    final: gateway_pb2.GenerateChunk,
+    logprobs: list[common_pb2.TokenLogprob] | None = None,
+) -> dict:
+    """The ``chat.completion`` object; ``logprobs`` None when not asked for."""
     return {
         "id": head.id,
         "object": "chat.completion",
@@ -64,7 +78,7 @@ def completion(head: Head, text: str, final: gateway_pb2.GenerateChunk) -> dict:
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
                 "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
             }
         ],
@@ -74,12 +88,20 @@ def completion(head: Head, text: str, final: gateway_pb2.GenerateChunk) -> dict:
 
 
 class ChunkWriter:
-    """The events of one streamed answer."""
+    """One answer: its events when streamed (``write``), its object when not (``unary``)."""
 
-    def __init__(self, head: Head, include_usage: bool) -> None:
+    def __init__(self, head: Head, include_usage: bool, logprobs: bool = False) -> None:
         self.head = head
         self.include_usage = include_usage
+        self.logprobs = logprobs
         self._started = False
+        self._pending: list[common_pb2.TokenLogprob] = []  # entries not sent yet
+
+    def unary(self, chunks: list[gateway_pb2.GenerateChunk]) -> dict:
+        """The ``chat.completion`` of all of an answer's chunks (the last one final)."""
+        text = "".join(c.text for c in chunks)
+        entries = [lp for c in chunks for lp in c.logprobs] if self.logprobs else None
+        return completion(self.head, text, chunks[-1], entries)
 
     def _chunk(self, choices: list, **extra) -> bytes:
         obj = {
@@ -95,7 +117,10 @@ class ChunkWriter:
         return event(obj)
 
     def _delta(self, delta: dict, finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        logprobs = None
+        if self._pending:
+            logprobs, self._pending = chat_logprobs(self._pending), []
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._chunk([choice])
 
     def write(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
@@ -104,6 +129,8 @@ class ChunkWriter:
         if not self._started:
             self._started = True
             out += self._delta({"role": "assistant", "content": ""})
+        if self.logprobs:
+            self._pending += chunk.logprobs
         if chunk.text:
             out += self._delta({"content": chunk.text})
         if chunk.finish_reason:

@@ -18,9 +18,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from services.gateway.validation import MAX_TEMPERATURE
+from services.gateway.validation import MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 
 MAX_SEED = (1 << 64) - 1
+MAX_LEGACY_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI's API bounds it
 
 # ---- requests ----------------------------------------------------------------------------
 
@@ -97,18 +98,13 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions``. Omitted sampling fields take OpenAI's defaults
-    (temperature 1, top_p 1); ``temperature: 0`` is greedy decoding."""
+class SamplingFields(BaseModel):
+    """The fields chat and legacy completions share: the model, sampling and streaming."""
 
     model_config = ConfigDict(extra="ignore")
 
-    messages: Annotated[list[Any], WithJsonSchema(MESSAGES_SCHEMA)]
     model: str | None = Field(None, description="the served model ('' or omitted: that one)")
     max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
-    max_completion_tokens: int | None = Field(
-        None, description="wins over max_tokens", json_schema_extra={"minimum": 1}
-    )
     temperature: float | None = Field(
         None,
         description="0 = greedy; otherwise at least 0.01",
@@ -130,14 +126,66 @@ class ChatCompletionRequest(BaseModel):
     stop_token_ids: (
         list[Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0})]] | None
     ) = Field(None, description="extension: stop at these ids")
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``. Omitted sampling fields take OpenAI's defaults
+    (temperature 1, top_p 1); ``temperature: 0`` is greedy decoding."""
+
+    messages: Annotated[list[Any], WithJsonSchema(MESSAGES_SCHEMA)]
+    max_completion_tokens: int | None = Field(
+        None, description="wins over max_tokens", json_schema_extra={"minimum": 1}
+    )
+    logprobs: bool | None = Field(None, description="each generated token's log-probability")
+    top_logprobs: int | None = Field(
+        None,
+        description="and this many most likely tokens at each step (needs logprobs: true)",
+        json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    )
     # Accepted for compatibility; refused unless they ask for nothing this server cannot do.
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            "minItems": 1,
+            "maxItems": 1,
+        },
+    ],
+    "description": "text (tokenized without a chat template) or token ids; one prompt",
+}
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions`` (OpenAI's legacy completions): a raw prompt, no chat template.
+    ``max_tokens`` defaults to 16 as in OpenAI's API."""
+
+    prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
+    echo: bool | None = Field(None, description="the prompt precedes the completion in text")
+    logprobs: int | None = Field(
+        None,
+        description="each token's log-probability and this many most likely tokens",
+        json_schema_extra={"minimum": 0, "maximum": MAX_LEGACY_LOGPROBS},
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        description="extension (vLLM): each prompt token's log-probability and this many top ones",
+        json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    )
+    suffix: str | None = Field(None, description="not supported (400)")
+    best_of: int | None = Field(
+        None, description="only 1", json_schema_extra={"minimum": 1, "maximum": 1}
+    )
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -159,11 +207,28 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprobEntry(BaseModel):
+    token: str  # the token decoded alone (U+FFFD for part of a UTF-8 character)
+    logprob: float
+    bytes: list[int]  # the token's own bytes
+
+
+class LogprobEntry(TopLogprobEntry):
+    top_logprobs: list[TopLogprobEntry]  # most likely first
+
+
+class ChoiceLogprobs(BaseModel):
+    """One entry per generated token (see ``replies.py``)."""
+
+    content: list[LogprobEntry] | None
+    refusal: None = None
+
+
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -185,7 +250,7 @@ class ChunkChoice(BaseModel):
     index: int
     delta: Delta
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -197,6 +262,30 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    # {"tokens", "token_logprobs", "top_logprobs", "text_offset"} with ``logprobs``
+    logprobs: dict[str, list[Any]] | None = None
+    # with ``prompt_logprobs``: null for the first prompt token, then {token id: {"logprob",
+    # "decoded_token", "rank" where known}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+
+class TextCompletion(BaseModel):
+    """The answer of ``POST /v1/completions``; streamed, each event is one with ``object``
+    ``text_completion`` and the choice's text delta."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: None = None
 
 
 class Model(BaseModel):
