@@ -1,7 +1,8 @@
-"""The HTTP front door: OpenAI's chat completions and models, health, and the status page.
+"""The HTTP front door: OpenAI's chat and legacy completions and models, health, the status page.
 
 Routes:
-* ``POST /v1/chat/completions`` (streamed with ``stream: true``), ``GET /v1/models``,
+* ``POST /v1/chat/completions`` and ``POST /v1/completions`` (a raw prompt: text or token ids;
+  both streamed with ``stream: true``), ``GET /v1/models``,
   ``GET /v1/models/{model}`` — API key required when keys are configured (``guard.py``);
 * ``GET /health`` — 200 while serving, 503 once stopping; the pools' health counts;
 * ``GET /dashboard``, ``GET /dashboard/state``, ``GET /dashboard/static/{file}`` — the status page
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from threading import Event
@@ -35,21 +38,31 @@ from starlette.types import ASGIApp
 
 from common.auth import BearerKeys
 from common.drain import Readiness
+from protos.epd.v1 import gateway_pb2
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.frontdoor import Api, FrontDoor
 from services.gateway.http import schemas
 from services.gateway.http.bridge import ChunkPump
-from services.gateway.http.convert import check_model, model_not_found, to_generate_request
+from services.gateway.http.completion_replies import CompletionWriter
+from services.gateway.http.completions import to_completion_request
+from services.gateway.http.convert import (
+    FieldNames,
+    check_model,
+    model_not_found,
+    to_generate_request,
+)
 from services.gateway.http.dashboard import DashboardSampler
 from services.gateway.http.errors import HttpError, from_gateway, invalid, outcome_of, status_error
 from services.gateway.http.guard import Guard, key_problem
 from services.gateway.http.replies import ChunkWriter, Head, dumps
-from services.gateway.http.responses import AnswerResponse
+from services.gateway.http.responses import AnswerResponse, AnswerWriter
 from services.gateway.registry import ROLES, Role, WorkerRegistry
 from services.gateway.servicer import identity
 
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+COUNTED_PATHS = (CHAT_PATH, COMPLETIONS_PATH)  # requests counted in the gateway's series
 OWNER = "epd-serve"
 STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 PAGE_HEADERS = {
@@ -67,6 +80,17 @@ CHAT_RESPONSES = {
         "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/ChatEvent"}}},
     },
     **{s: {"model": schemas.ErrorResponse} for s in (400, 401, 404, 409, 413, 429, 500, 503, 504)},
+}
+COMPLETION_RESPONSES = {
+    **CHAT_RESPONSES,
+    200: {
+        "model": schemas.TextCompletion,
+        "description": "a text_completion; with stream: true, Server-Sent Events each carrying a "
+        "text_completion with the text delta, ending with `data: [DONE]`",
+        "content": {
+            "text/event-stream": {"schema": {"$ref": "#/components/schemas/CompletionEvent"}}
+        },
+    },
 }
 
 
@@ -140,26 +164,37 @@ def create_app(ctx: HttpContext) -> ASGIApp:
         ] = None,
     ) -> Response:
         """Create a chat completion (OpenAI's API), streamed with ``stream: true``."""
-        try:
+        with _counted(ctx):
             model = check_model(body.model, ctx.served_models())
             timeout_s = _timeout_s(x_request_timeout)
             proto, names = to_generate_request(body, x_request_id or "", ctx.front_door.limits)
-        except HttpError as exc:
-            ctx.count(outcome_of(exc.status))
-            raise
-        peer = f"{request.client.host}:{request.client.port}" if request.client else "-"
-        caller = identity(request.headers.get("authorization"), peer)
-        try:
-            admitted = ctx.front_door.admit(proto, caller, Api.HTTP)
-        except GatewayError as exc:
-            raise from_gateway(exc, names) from None
-        chunks = ctx.front_door.run(proto, admitted, timeout_s, Api.HTTP)
-        pump = ChunkPump(chunks, admitted.cancel, ctx.executor)
-        head = Head(f"chatcmpl-{admitted.request_id}", int(time.time()), model)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = ChunkWriter(head, include_usage, bool(body.logprobs))
-        headers = {"x-request-id": admitted.request_id}
-        return AnswerResponse(pump, writer, names, bool(body.stream), headers)
+
+        def writer(head: Head, include_usage: bool) -> ChunkWriter:
+            return ChunkWriter(head, include_usage, bool(body.logprobs))
+
+        return _answer(ctx, request, body, proto, names, model, timeout_s, "chatcmpl", writer)
+
+    @app.post(COMPLETIONS_PATH, response_model=None, responses=COMPLETION_RESPONSES)
+    async def completions(
+        body: schemas.CompletionRequest,
+        request: Request,
+        x_request_id: Annotated[str | None, Header(description="the request's id")] = None,
+        x_request_timeout: Annotated[
+            float | None, Header(description="seconds the request may take")
+        ] = None,
+    ) -> Response:
+        """Create a completion of a raw prompt (OpenAI's legacy API), streamed with
+        ``stream: true``."""
+        with _counted(ctx):
+            model = check_model(body.model, ctx.served_models())
+            timeout_s = _timeout_s(x_request_timeout)
+            limits = ctx.front_door.limits
+            proto, names, ask = to_completion_request(body, x_request_id or "", limits)
+
+        def writer(head: Head, include_usage: bool) -> CompletionWriter:
+            return CompletionWriter(head, include_usage, ask)
+
+        return _answer(ctx, request, body, proto, names, model, timeout_s, "cmpl", writer)
 
     @app.get("/v1/models", response_model=schemas.ModelList, responses=ERRORS)
     async def list_models() -> Response:
@@ -202,14 +237,52 @@ def create_app(ctx: HttpContext) -> ASGIApp:
     return Guard(app, ctx.keys, config.max_message_mb << 20, lambda p, o: _refused(ctx, p, o))
 
 
+@contextmanager
+def _counted(ctx: HttpContext) -> Iterator[None]:
+    """Count a request refused with an ``HttpError`` in the body under its outcome."""
+    try:
+        yield
+    except HttpError as exc:
+        ctx.count(outcome_of(exc.status))
+        raise
+
+
+def _answer(
+    ctx: HttpContext,
+    request: Request,
+    body: schemas.SamplingFields,
+    proto: gateway_pb2.GenerateRequest,
+    names: FieldNames,
+    model: str,
+    timeout_s: float | None,
+    id_prefix: str,
+    make_writer: Callable[[Head, bool], AnswerWriter],
+) -> Response:
+    """Admit ``proto`` and answer it (JSON, or events with ``stream``) through ``make_writer``'s
+    shapes; the answer's id is ``<id_prefix>-<request id>``."""
+    peer = f"{request.client.host}:{request.client.port}" if request.client else "-"
+    caller = identity(request.headers.get("authorization"), peer)
+    try:
+        admitted = ctx.front_door.admit(proto, caller, Api.HTTP)
+    except GatewayError as exc:
+        raise from_gateway(exc, names) from None
+    chunks = ctx.front_door.run(proto, admitted, timeout_s, Api.HTTP)
+    pump = ChunkPump(chunks, admitted.cancel, ctx.executor)
+    head = Head(f"{id_prefix}-{admitted.request_id}", int(time.time()), model)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    headers = {"x-request-id": admitted.request_id}
+    writer = make_writer(head, include_usage)
+    return AnswerResponse(pump, writer, names, bool(body.stream), headers)
+
+
 def _refused(ctx: HttpContext, path: str, outcome: str) -> None:
-    if path == CHAT_PATH:
+    if path in COUNTED_PATHS:
         ctx.count(outcome)
 
 
 def _is_chat(request: Request) -> bool:
-    """A chat completion request (counted in the gateway's series however it ends)."""
-    return request.url.path == CHAT_PATH and request.method == "POST"
+    """A completion request (counted in the gateway's series however it ends)."""
+    return request.url.path in COUNTED_PATHS and request.method == "POST"
 
 
 def _model(name: str, created: int) -> dict:
@@ -273,6 +346,7 @@ def _finish_openapi(app: FastAPI) -> None:
             components.update(chunk.pop("$defs", {}))
             components["ChatCompletionChunk"] = chunk
             components["ChatEvent"] = schemas.CHAT_EVENT
+            components["CompletionEvent"] = schemas.COMPLETION_EVENT
         return app.openapi_schema
 
     app.openapi = openapi

@@ -62,3 +62,26 @@ def legacy_logprobs(entries: list[common_pb2.TokenLogprob], num_top: int, offset
         "top_logprobs": [_legacy_top(lp, num_top) for lp in entries],
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(entries: list[common_pb2.TokenLogprob], num_top: int) -> list:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token ``{token id:
+    {"logprob", "decoded_token", "rank"}}`` for it and its ``num_top`` most likely tokens
+    (``rank`` 1 = most likely; the prompt token's only where it is among them)."""
+    out: list = []
+    for lp in entries:
+        if math.isnan(lp.logprob):
+            out.append(None)
+            continue
+        found = {}
+        for rank, t in enumerate(lp.top[:num_top], start=1):
+            found[str(t.token_id)] = {
+                "logprob": json_logprob(t.logprob),
+                "decoded_token": t.token,
+                "rank": rank,
+            }
+        found.setdefault(
+            str(lp.token_id), {"logprob": json_logprob(lp.logprob), "decoded_token": lp.token}
+        )
+        out.append(found)
+    return out

@@ -345,3 +345,29 @@ CHAT_EVENT = {
         "event": {"const": "message"},
     },
 }
+
+
+def _event_schema(chunk_schema: str) -> dict:
+    """One Server-Sent Event of a streamed answer whose data is a ``chunk_schema``."""
+    data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {
+            "anyOf": [
+                {"$ref": f"#/components/schemas/{chunk_schema}"},
+                {"$ref": "#/components/schemas/ErrorResponse"},
+            ]
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"anyOf": [{"const": "[DONE]"}, data]},
+            "event": {"const": "message"},
+        },
+    }
+
+
+# A streamed legacy completion's events: each data is a TextCompletion (a text delta).
+COMPLETION_EVENT = _event_schema("TextCompletion")

@@ -1,0 +1,236 @@
+"""``POST /v1/completions`` (OpenAI's legacy completions) with the official ``openai`` client.
+
+A string prompt and its token ids give the same greedy completion, equal to what gRPC's raw
+prompt gives; streamed deltas concatenate to it; usage counts the raw prompt (no chat
+template); ``echo`` puts the prompt first in the text and, with ``logprobs``, its tokens first
+in the logprobs arrays (the first one's logprob null); vLLM's ``prompt_logprobs`` extension;
+refusals name their field (``suffix``, ``best_of``, ``logprobs``, ``prompt``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+
+import openai
+import pytest
+
+from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.http.conftest import ARCH
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def client(http_stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=http_stack.http_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return tiny_model_dir(ARCH).name
+
+
+def grpc_raw(stack, text: str, max_tokens: int, **sampling) -> gateway_pb2.GenerateResponse:
+    request = gateway_pb2.GenerateRequest(
+        prompt_text=text,
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, **sampling),
+        echo=True,
+    )
+    with stack.channel() as channel:
+        return gateway_pb2_grpc.GatewayStub(channel).GenerateUnary(request, timeout=120)
+
+
+def test_string_and_token_prompts_equal_grpc_raw_prompt(http_stack, client, model) -> None:
+    text = f"The quick brown fox {uuid.uuid4().hex[:8]}"
+    expected = grpc_raw(http_stack, text, MAX_TOKENS, prompt_logprobs=0)
+    ids = [p.token_id for p in expected.prompt_logprobs]
+    ask = dict(model=model, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    reply = client.completions.create(prompt=text, **ask)
+    assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
+    choice = reply.choices[0]
+    assert choice.text == expected.text and choice.finish_reason == "length"
+    assert choice.logprobs is None and choice.index == 0
+    usage = reply.usage
+    assert usage.prompt_tokens == len(ids) == expected.usage.prompt_tokens  # no chat template
+    assert usage.completion_tokens == MAX_TOKENS
+    assert usage.total_tokens == usage.prompt_tokens + MAX_TOKENS
+    for prompt in (ids, [ids], [text]):
+        assert client.completions.create(prompt=prompt, **ask).choices[0].text == expected.text
+
+    chunks = list(
+        client.completions.create(
+            prompt=text, stream=True, stream_options={"include_usage": True}, **ask
+        )
+    )
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in with_choices) == expected.text
+    assert [c.choices[0].finish_reason for c in with_choices if c.choices[0].finish_reason] == [
+        "length"
+    ]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_default_max_tokens_is_16(client, model) -> None:
+    reply = client.completions.create(
+        model=model, prompt="Hello", temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage.completion_tokens == 16
+
+
+def test_echo_with_logprobs_puts_the_prompt_first(http_stack, client, model) -> None:
+    text = f"What is in this picture {uuid.uuid4().hex[:6]}"
+    top = 2
+    reply = client.completions.create(
+        model=model,
+        prompt=text,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        echo=True,
+        logprobs=top,
+        extra_body={"ignore_eos": True},
+    )
+    choice = reply.choices[0]
+    num_prompt = reply.usage.prompt_tokens
+    assert choice.text.startswith(text)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert len(lp.tokens) == num_prompt + MAX_TOKENS
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(lp.tokens[i] in lp.top_logprobs[i] for i in range(1, len(lp.tokens)))
+    assert all(len(t) <= top + 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for i in range(num_prompt, len(lp.tokens)):  # greedy: the chosen one is the most likely
+        assert math.isclose(lp.token_logprobs[i], max(lp.top_logprobs[i].values()), abs_tol=1e-6)
+
+    expected = grpc_raw(http_stack, text, MAX_TOKENS, prompt_logprobs=top)
+    assert choice.text == expected.prompt_text + expected.text
+    for got, want in zip(
+        lp.token_logprobs[1:num_prompt], expected.prompt_logprobs[1:], strict=True
+    ):
+        assert math.isclose(got, want.logprob, abs_tol=1e-4)
+
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=text,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            echo=True,
+            logprobs=top,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+    offsets = [
+        o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert offsets == lp.text_offset
+
+
+def test_logprobs_without_echo_and_prompt_logprobs_extension(client, model) -> None:
+    text = f"Hello world {uuid.uuid4().hex[:6]}"
+    reply = client.completions.create(
+        model=model,
+        prompt=text,
+        max_tokens=3,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "prompt_logprobs": 1},
+    )
+    choice = reply.choices[0]
+    assert len(choice.logprobs.tokens) == 3  # the generated tokens only
+    assert all(len(t) == 1 for t in choice.logprobs.top_logprobs)  # the chosen token alone
+    prompt = choice.model_extra["prompt_logprobs"]
+    assert len(prompt) == reply.usage.prompt_tokens and prompt[0] is None
+    for entry in prompt[1:]:
+        assert 1 <= len(entry) <= 2
+        assert any(v.get("rank") == 1 for v in entry.values())
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        ({"suffix": "end"}, "suffix", "suffix is not supported"),
+        ({"best_of": 2}, "best_of", "best_of must be 1"),
+        ({"n": 2}, "n", "n must be 1"),
+        ({"logprobs": 6}, "logprobs", "logprobs must be in [0, 5], got 6"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
+        ({"temperature": 500}, "temperature", "temperature must be a finite number"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
+        ({"prompt": ""}, "prompt", "prompt must not be empty"),
+        ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+        ({"prompt": [1, -2]}, "prompt[1]", "must be in [0, 2147483647], got -2"),
+        ({"prompt": [1, 1 << 40]}, "prompt[1]", "must be in [0, 2147483647]"),
+        ({"prompt": {"text": "x"}}, "prompt", "prompt must be a string"),
+        ({"prompt": [10**6]}, None, "prompt_token_ids[0] must be in [0, "),
+    ],
+)
+def test_refusals_name_the_field(client, model, extra, param, words) -> None:
+    body = {"model": model, "prompt": "Hi", **extra}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post("/completions", body=body, cast_to=object)
+    if param is not None:
+        assert info.value.body["param"] == param
+    assert words in info.value.body["message"]
+
+
+def entry(token_id: int, token: str, logprob: float, top: int = 0) -> common_pb2.TokenLogprob:
+    tops = [common_pb2.TopLogprob(token_id=token_id, logprob=logprob, token=token)] if top else []
+    return common_pb2.TokenLogprob(
+        token_id=token_id, logprob=logprob, token=token, token_bytes=token.encode(), top=tops
+    )
+
+
+def test_writer_shapes_match_the_published_schema() -> None:
+    """Unary and streamed answers validate as ``TextCompletion``; echo puts the prompt's text and
+    entries first, with null for the first prompt token; offsets run on across events."""
+    from services.gateway.http import schemas
+    from services.gateway.http.completion_replies import CompletionWriter
+    from services.gateway.http.completions import CompletionAsk
+    from services.gateway.http.replies import Head
+
+    first = gateway_pb2.GenerateChunk(
+        text="",
+        token_ids=[5],
+        logprobs=[entry(5, " w", -0.5, 1)],
+        prompt_logprobs=[entry(1, "He", float("nan")), entry(2, "llo", -1.0, 1)],
+        prompt_text="Hello",
+    )
+    last = gateway_pb2.GenerateChunk(
+        text=" wo",
+        token_ids=[6],
+        logprobs=[entry(6, "o", float("-inf"), 1)],
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        usage=gateway_pb2.Usage(prompt_tokens=2, completion_tokens=2),
+    )
+    ask = CompletionAsk(echo=True, logprobs=1, prompt_logprobs=1)
+    obj = CompletionWriter(Head("cmpl-x", 1, "m"), True, ask).unary([first, last])
+    schemas.TextCompletion.model_validate(obj)
+    choice = obj["choices"][0]
+    assert choice["text"] == "Hello wo"
+    assert choice["logprobs"] == {
+        "tokens": ["He", "llo", " w", "o"],
+        "token_logprobs": [None, -1.0, -0.5, -9999.0],
+        "top_logprobs": [None, {"llo": -1.0}, {" w": -0.5}, {"o": -9999.0}],
+        "text_offset": [0, 2, 5, 7],
+    }
+    assert choice["prompt_logprobs"] == [
+        None,
+        {"2": {"logprob": -1.0, "decoded_token": "llo", "rank": 1}},
+    ]
+    writer = CompletionWriter(Head("cmpl-x", 1, "m"), True, ask)
+    raw = writer.write(first) + writer.write(last)
+    events = [json.loads(e[len(b"data: ") :]) for e in raw.split(b"\n\n") if e]
+    for e in events:
+        schemas.TextCompletion.model_validate(e)
+    streamed = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(c["text"] for c in streamed) == "Hello wo"
+    offsets = [o for c in streamed if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert offsets == choice["logprobs"]["text_offset"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 4
