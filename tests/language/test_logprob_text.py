@@ -131,3 +131,22 @@ def test_prompt_logprobs_equal_transformers_full_forward(prompt_case, chunk_size
     plain = run_to_completion(engine)["plain"]
     assert plain[-1].num_cached_tokens > 0  # others still reuse the cached prompt
     assert all(not o.prompt_logprobs for o in plain)
+
+
+def test_real_qwen2_tokenizer_bytes_rebuild_the_text():
+    """On the real Qwen2 vocabulary (151,669 ids) the tokens' bytes join into the text, a rare
+    character split over byte tokens included, and whole tokens' texts are their bytes."""
+    from common.models.tokenizers import build_qwen2_tokenizer
+
+    tokenizer = build_qwen2_tokenizer()
+    texts = TokenTexts(tokenizer)
+    text = "日本語 café 🙂 𝔘𝔫𝔦 <|im_end|>"
+    ids = tokenizer.encode(text)
+    assert b"".join(texts(t).raw for t in ids) == text.encode()
+    partial = [t for t in ids if "\ufffd" in texts(t).text]  # parts of a character
+    assert partial
+    for t in partial:
+        with pytest.raises(UnicodeDecodeError):
+            texts(t).raw.decode()
+    for t in set(ids) - set(partial):
+        assert texts(t).raw.decode() == texts(t).text

@@ -16,7 +16,6 @@ computed (at most one entry per vocabulary id).
 
 from __future__ import annotations
 
-import json
 import re
 from typing import NamedTuple
 
@@ -47,11 +46,9 @@ class TokenText(NamedTuple):
 
 def is_byte_level(tokenizer) -> bool:
     """Whether ``tokenizer`` (a fast tokenizer) decodes with a byte-level decoder."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return False
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    return "ByteLevel" in json.dumps(decoder)
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    # NOTE: the decoder's own JSON (a Sequence lists its parts), not the whole tokenizer's
+    return decoder is not None and '"ByteLevel"' in decoder.__getstate__().decode()
 
 
 class TokenTexts:
