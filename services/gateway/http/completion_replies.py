@@ -16,31 +16,20 @@ from __future__ import annotations
 from protos.epd.v1 import common_pb2, gateway_pb2
 from services.gateway.http.completions import CompletionAsk
 from services.gateway.http.logprobs import legacy_logprobs, vllm_prompt_logprobs
-from services.gateway.http.replies import FINISH_REASONS, Head, event, usage
+from services.gateway.http.replies import FINISH_REASONS, Head, StreamWriter, usage
 
 OBJECT = "text_completion"
 
 
-class CompletionWriter:
+class CompletionWriter(StreamWriter):
     """One legacy completion answer: ``unary`` when not streamed, ``write`` when streamed."""
 
-    def __init__(self, head: Head, include_usage: bool, ask: CompletionAsk) -> None:
-        self.head = head
-        self.include_usage = include_usage
-        self.ask = ask
-        self._started = False
-        self._offset = 0  # text_offset of the next token
-        self._pending: list[common_pb2.TokenLogprob] = []  # entries not sent yet
+    object_name = OBJECT
 
-    def _envelope(self, choices: list, **extra) -> dict:
-        obj = {
-            "id": self.head.id,
-            "object": OBJECT,
-            "created": self.head.created,
-            "model": self.head.model,
-            "choices": choices,
-        }
-        return obj | extra
+    def __init__(self, head: Head, include_usage: bool, ask: CompletionAsk) -> None:
+        super().__init__(head, include_usage)
+        self.ask = ask
+        self._offset = 0  # text_offset of the next token
 
     def _logprobs(self, entries: list[common_pb2.TokenLogprob]) -> dict | None:
         if self.ask.logprobs is None:
@@ -75,29 +64,11 @@ class CompletionWriter:
         entries = prompt_entries + [lp for c in chunks for lp in c.logprobs]
         reason = FINISH_REASONS.get(final.finish_reason, "stop")
         choice = self._choice(text, entries, reason) | extra
-        return self._envelope([choice], usage=usage(final.usage), system_fingerprint=None)
+        return self.envelope(OBJECT, [choice], usage=usage(final.usage), system_fingerprint=None)
 
-    def _event(self, choice: dict) -> bytes:
-        return event(self._envelope([choice], **({"usage": None} if self.include_usage else {})))
-
-    def write(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
-        """The events of one chunk from the gateway (possibly none)."""
-        out = b""
-        if not self._started:
-            self._started = True
-            prompt_text, prompt_entries, extra = self._prompt_part([chunk])
-            if prompt_text or extra:
-                out += self._event(self._choice(prompt_text, prompt_entries) | extra)
-        self._pending += chunk.logprobs
-        if chunk.text:
-            out += self._event(self._choice(chunk.text, self._take()))
-        if chunk.finish_reason:
-            reason = FINISH_REASONS.get(chunk.finish_reason, "stop")
-            out += self._event(self._choice("", self._take(), reason))
-            if self.include_usage:
-                out += event(self._envelope([], usage=usage(chunk.usage)))
-        return out
-
-    def _take(self) -> list[common_pb2.TokenLogprob]:
-        taken, self._pending = self._pending, []
-        return taken
+    def _start(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
+        """The echoed prompt and its entries, and ``prompt_logprobs``, when asked."""
+        prompt_text, prompt_entries, extra = self._prompt_part([chunk])
+        if not (prompt_text or extra):
+            return b""
+        return self._event([self._choice(prompt_text, prompt_entries) | extra])

@@ -41,11 +41,14 @@ def chat_logprobs(entries: Iterable[common_pb2.TokenLogprob]) -> dict:
 
 
 def _legacy_top(lp: common_pb2.TokenLogprob, num_top: int) -> dict | None:
-    """The ``num_top`` most likely tokens and the chosen one (None where it has no logprob)."""
+    """The chosen token and the ``num_top`` most likely ones, keyed by their text (None where
+    it has no logprob). NOTE: tokens with the same text (two bytes of split characters are both
+    U+FFFD) share a key: the chosen token's value wins, then the more likely one's."""
     if math.isnan(lp.logprob):
         return None
-    top = {t.token: json_logprob(t.logprob) for t in lp.top[:num_top]}
-    top.setdefault(lp.token, json_logprob(lp.logprob))
+    top = {lp.token: json_logprob(lp.logprob)}
+    for t in lp.top[:num_top]:
+        top.setdefault(t.token, json_logprob(t.logprob))
     return top
 
 

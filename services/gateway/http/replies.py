@@ -87,15 +87,73 @@ def completion(
     }
 
 
-class ChunkWriter:
-    """One answer: its events when streamed (``write``), its object when not (``unary``)."""
+class StreamWriter:
+    """What every answer's events share: each is an object of ``object_name`` with one choice
+    (or, for the usage, none); log-probability entries wait for the next choice that carries
+    text, or for the finish. Subclasses say what a choice holds and what comes first."""
 
-    def __init__(self, head: Head, include_usage: bool, logprobs: bool = False) -> None:
+    object_name = ""
+
+    def __init__(self, head: Head, include_usage: bool) -> None:
         self.head = head
         self.include_usage = include_usage
-        self.logprobs = logprobs
         self._started = False
         self._pending: list[common_pb2.TokenLogprob] = []  # entries not sent yet
+
+    def envelope(self, object_name: str, choices: list, **extra) -> dict:
+        obj = {
+            "id": self.head.id,
+            "object": object_name,
+            "created": self.head.created,
+            "model": self.head.model,
+            "choices": choices,
+        }
+        return obj | extra
+
+    def _event(self, choices: list, **extra) -> bytes:
+        nulls = {"usage": None} if self.include_usage else {}
+        return event(self.envelope(self.object_name, choices, **(nulls | extra)))
+
+    def _start(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
+        """The events before the first text (none by default)."""
+        return b""
+
+    def _entries(self, chunk: gateway_pb2.GenerateChunk) -> list[common_pb2.TokenLogprob]:
+        """The log-probability entries of ``chunk`` the answer shows."""
+        return list(chunk.logprobs)
+
+    def _choice(self, text: str, entries: list, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def write(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
+        """The events of one chunk from the gateway (possibly none)."""
+        out = b""
+        if not self._started:
+            self._started = True
+            out += self._start(chunk)
+        self._pending += self._entries(chunk)
+        if chunk.text:
+            out += self._event([self._choice(chunk.text, self._take(), None)])
+        if chunk.finish_reason:
+            reason = FINISH_REASONS.get(chunk.finish_reason, "stop")
+            out += self._event([self._choice("", self._take(), reason)])
+            if self.include_usage:
+                out += self._event([], usage=usage(chunk.usage))
+        return out
+
+    def _take(self) -> list[common_pb2.TokenLogprob]:
+        taken, self._pending = self._pending, []
+        return taken
+
+
+class ChunkWriter(StreamWriter):
+    """One chat answer: its events when streamed (``write``), its object when not (``unary``)."""
+
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, head: Head, include_usage: bool, logprobs: bool = False) -> None:
+        super().__init__(head, include_usage)
+        self.logprobs = logprobs
 
     def unary(self, chunks: list[gateway_pb2.GenerateChunk]) -> dict:
         """The ``chat.completion`` of all of an answer's chunks (the last one final)."""
@@ -103,38 +161,17 @@ class ChunkWriter:
         entries = [lp for c in chunks for lp in c.logprobs] if self.logprobs else None
         return completion(self.head, text, chunks[-1], entries)
 
-    def _chunk(self, choices: list, **extra) -> bytes:
-        obj = {
-            "id": self.head.id,
-            "object": "chat.completion.chunk",
-            "created": self.head.created,
-            "model": self.head.model,
-            "choices": choices,
+    def _start(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
+        delta = {"role": "assistant", "content": ""}
+        return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def _entries(self, chunk: gateway_pb2.GenerateChunk) -> list[common_pb2.TokenLogprob]:
+        return list(chunk.logprobs) if self.logprobs else []
+
+    def _choice(self, text: str, entries: list, finish_reason: str | None) -> dict:
+        return {
+            "index": 0,
+            "delta": {"content": text} if text else {},
+            "logprobs": chat_logprobs(entries) if entries else None,
+            "finish_reason": finish_reason,
         }
-        if self.include_usage:
-            obj["usage"] = None
-        obj.update(extra)
-        return event(obj)
-
-    def _delta(self, delta: dict, finish_reason: str | None = None) -> bytes:
-        logprobs = None
-        if self._pending:
-            logprobs, self._pending = chat_logprobs(self._pending), []
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return self._chunk([choice])
-
-    def write(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
-        """The events of one chunk from the gateway (possibly none)."""
-        out = b""
-        if not self._started:
-            self._started = True
-            out += self._delta({"role": "assistant", "content": ""})
-        if self.logprobs:
-            self._pending += chunk.logprobs
-        if chunk.text:
-            out += self._delta({"content": chunk.text})
-        if chunk.finish_reason:
-            out += self._delta({}, FINISH_REASONS.get(chunk.finish_reason, "stop"))
-            if self.include_usage:
-                out += self._chunk([], usage=usage(chunk.usage))
-        return out
