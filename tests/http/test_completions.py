@@ -13,11 +13,12 @@ import json
 import math
 import uuid
 
+import httpx
 import openai
 import pytest
 
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.http.conftest import ARCH
+from tests.http.conftest import ARCH, wait_for
 
 MAX_TOKENS = 6
 
@@ -70,6 +71,37 @@ def test_string_and_token_prompts_equal_grpc_raw_prompt(http_stack, client, mode
         "length"
     ]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_several_prompts_one_choice_each(http_stack, client, model) -> None:
+    """A list of prompts is one request per prompt: choice i answers prompt i (the same text as
+    that prompt alone), usage sums them; streamed, each prompt's deltas concatenate to its
+    choice's text and the usage comes once, after every prompt finished."""
+    tag = uuid.uuid4().hex[:6]
+    texts = [f"First prompt {tag}", f"The second one {tag}", f"Third {tag}"]
+    alone = [grpc_raw(http_stack, t, MAX_TOKENS) for t in texts]
+    ask = dict(model=model, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    prompts = [texts[0], [p.token_id for p in grpc_raw(http_stack, texts[1], 1, prompt_logprobs=0)
+                          .prompt_logprobs], texts[2]]  # fmt: skip
+    reply = client.completions.create(prompt=prompts, logprobs=1, **ask)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == [a.text for a in alone]
+    assert all(len(c.logprobs.tokens) == MAX_TOKENS for c in reply.choices)
+    assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert reply.usage.completion_tokens == 3 * MAX_TOKENS
+
+    chunks = list(
+        client.completions.create(
+            prompt=prompts, stream=True, stream_options={"include_usage": True}, **ask
+        )
+    )
+    for i, a in enumerate(alone):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == a.text
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    assert [c for c in chunks if not c.choices] == [chunks[-1]]
+    assert chunks[-1].usage.completion_tokens == 3 * MAX_TOKENS
+    assert len({c.id for c in chunks}) == 1
 
 
 def test_default_max_tokens_is_16(client, model) -> None:
@@ -164,7 +196,9 @@ def test_logprobs_without_echo_and_prompt_logprobs_extension(client, model) -> N
         ({"temperature": 500}, "temperature", "temperature must be a finite number"),
         ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
         ({"prompt": ""}, "prompt", "prompt must not be empty"),
-        ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+        ({"prompt": ["a", ""]}, "prompt[1]", "prompt[1] must not be empty"),
+        ({"prompt": ["a", [1, True]]}, "prompt[1][1]", "must be a token id"),
+        ({"prompt": ["x"] * 300}, "prompt", "prompt holds 300 prompts, more than the limit"),
         ({"prompt": [1, -2]}, "prompt[1]", "must be in [0, 2147483647], got -2"),
         ({"prompt": [1, 1 << 40]}, "prompt[1]", "must be in [0, 2147483647]"),
         ({"prompt": {"text": "x"}}, "prompt", "prompt must be a string"),
@@ -234,3 +268,25 @@ def test_writer_shapes_match_the_published_schema() -> None:
     offsets = [o for c in streamed if c["logprobs"] for o in c["logprobs"]["text_offset"]]
     assert offsets == choice["logprobs"]["text_offset"]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 4
+
+
+def test_several_prompts_one_refused_cancels_the_others(http_stack, client, model) -> None:
+    """A prompt the gateway refuses (too long) after another was admitted, or one the language
+    worker refuses (a token id outside the vocabulary) while another runs: the answer is that
+    400 and nothing of the other prompt is left in flight."""
+    long_text = "x" * ((1 << 20) + 1)  # the gateway's max_text_chars, plus one
+    for prompts, words in (
+        (["Hello there", long_text], "prompt is 1048577 characters"),
+        ([[5, 6, 7], [10**6]], "prompt_token_ids[0] must be in [0, "),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt=prompts, max_tokens=200)
+        assert words in info.value.body["message"]
+
+    def idle() -> bool:
+        state = httpx.get(http_stack.http_url + "/dashboard/state").json()
+        return state["in_flight"] == 0
+
+    wait_for(idle, 30, "no request in flight at the gateway")
+    http_stack.wait_no_leaks()
+    assert client.completions.create(model=model, prompt=["a", "b"], max_tokens=2).choices

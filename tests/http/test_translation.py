@@ -216,10 +216,11 @@ def test_streamed_logprobs_wait_for_text_and_the_finish_carries_the_rest() -> No
 
 
 def test_completion_body_to_proto() -> None:
-    from services.gateway.http.completions import to_completion_request
+    from services.gateway.http.completions import to_completion_requests
 
     body = schemas.CompletionRequest(prompt=[[5, 6]], echo=True, logprobs=2, prompt_logprobs=1)
-    request, names, ask = to_completion_request(body, "r1", RequestLimits())
+    [request], names, ask = to_completion_requests(body, "r1", RequestLimits())
+    assert request.request_id == "r1"
     assert list(request.prompt_token_ids) == [5, 6] and request.echo
     s = request.sampling
     assert (s.max_new_tokens, s.logprobs, s.top_logprobs, s.prompt_logprobs) == (16, True, 2, 2)
@@ -230,8 +231,21 @@ def test_completion_body_to_proto() -> None:
         "prompt[3] must be >= 0",
         "prompt[3]",
     )
-    request, _, ask = to_completion_request(
+    [request], _, ask = to_completion_requests(
         schemas.CompletionRequest(prompt="Hi", max_tokens=3), "", RequestLimits()
     )
     assert request.prompt_text == "Hi" and request.sampling.max_new_tokens == 3
     assert not request.sampling.HasField("prompt_logprobs") and ask.logprobs is None
+
+    several, _, _ = to_completion_requests(
+        schemas.CompletionRequest(prompt=["a", [7, 8]]), "R", RequestLimits()
+    )
+    assert [(r.request_id, r.prompt_text, list(r.prompt_token_ids)) for r in several] == [
+        ("R-0", "a", []),
+        ("R-1", "", [7, 8]),
+    ]
+    drawn, _, _ = to_completion_requests(
+        schemas.CompletionRequest(prompt=["a", "b"]), "", RequestLimits()
+    )
+    base = drawn[0].request_id[: -len("-0")]
+    assert base and [r.request_id for r in drawn] == [f"{base}-0", f"{base}-1"]

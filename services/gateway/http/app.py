@@ -43,9 +43,9 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.frontdoor import Api, FrontDoor
 from services.gateway.http import schemas
-from services.gateway.http.bridge import ChunkPump
-from services.gateway.http.completion_replies import CompletionWriter
-from services.gateway.http.completions import to_completion_request
+from services.gateway.http.bridge import ChunkPump, MergedPump
+from services.gateway.http.completion_replies import CompletionWriter, ManyCompletionsWriter
+from services.gateway.http.completions import to_completion_requests
 from services.gateway.http.convert import (
     FieldNames,
     check_model,
@@ -169,10 +169,10 @@ def create_app(ctx: HttpContext) -> ASGIApp:
             timeout_s = _timeout_s(x_request_timeout)
             proto, names = to_generate_request(body, x_request_id or "", ctx.front_door.limits)
 
-        def writer(head: Head, include_usage: bool) -> ChunkWriter:
+        def writer(head: Head, include_usage: bool, request_ids: list[str]) -> ChunkWriter:
             return ChunkWriter(head, include_usage, bool(body.logprobs))
 
-        return _answer(ctx, request, body, proto, names, model, timeout_s, "chatcmpl", writer)
+        return _answer(ctx, request, body, [proto], names, model, timeout_s, "chatcmpl", writer)
 
     @app.post(COMPLETIONS_PATH, response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(
@@ -189,12 +189,14 @@ def create_app(ctx: HttpContext) -> ASGIApp:
             model = check_model(body.model, ctx.served_models())
             timeout_s = _timeout_s(x_request_timeout)
             limits = ctx.front_door.limits
-            proto, names, ask = to_completion_request(body, x_request_id or "", limits)
+            protos, names, ask = to_completion_requests(body, x_request_id or "", limits)
 
-        def writer(head: Head, include_usage: bool) -> CompletionWriter:
+        def writer(head: Head, include_usage: bool, request_ids: list[str]) -> AnswerWriter:
+            if len(request_ids) > 1:
+                return ManyCompletionsWriter(head, include_usage, ask, request_ids)
             return CompletionWriter(head, include_usage, ask)
 
-        return _answer(ctx, request, body, proto, names, model, timeout_s, "cmpl", writer)
+        return _answer(ctx, request, body, protos, names, model, timeout_s, "cmpl", writer)
 
     @app.get("/v1/models", response_model=schemas.ModelList, responses=ERRORS)
     async def list_models() -> Response:
@@ -251,27 +253,36 @@ def _answer(
     ctx: HttpContext,
     request: Request,
     body: schemas.SamplingFields,
-    proto: gateway_pb2.GenerateRequest,
+    protos: list[gateway_pb2.GenerateRequest],
     names: FieldNames,
     model: str,
     timeout_s: float | None,
     id_prefix: str,
-    make_writer: Callable[[Head, bool], AnswerWriter],
+    make_writer: Callable[[Head, bool, list[str]], AnswerWriter],
 ) -> Response:
-    """Admit ``proto`` and answer it (JSON, or events with ``stream``) through ``make_writer``'s
-    shapes; the answer's id is ``<id_prefix>-<request id>``."""
+    """Admit ``protos`` (one request each; a refusal of one cancels those admitted before it)
+    and answer them (JSON, or events with ``stream``) in ``make_writer``'s shapes; the answer's
+    id is ``<id_prefix>-<the request id>`` (of several: their id without its ``-i``)."""
     peer = f"{request.client.host}:{request.client.port}" if request.client else "-"
     caller = identity(request.headers.get("authorization"), peer)
-    try:
-        admitted = ctx.front_door.admit(proto, caller, Api.HTTP)
-    except GatewayError as exc:
-        raise from_gateway(exc, names) from None
-    chunks = ctx.front_door.run(proto, admitted, timeout_s, Api.HTTP)
-    pump = ChunkPump(chunks, admitted.cancel, ctx.executor)
-    head = Head(f"{id_prefix}-{admitted.request_id}", int(time.time()), model)
+    pumps: list[ChunkPump] = []
+    request_ids: list[str] = []
+    for proto in protos:
+        try:
+            admitted = ctx.front_door.admit(proto, caller, Api.HTTP)
+        except GatewayError as exc:
+            for pump in pumps:
+                pump.close()
+            raise from_gateway(exc, names) from None
+        chunks = ctx.front_door.run(proto, admitted, timeout_s, Api.HTTP)
+        pumps.append(ChunkPump(chunks, admitted.cancel, ctx.executor))
+        request_ids.append(admitted.request_id)
+    answer_id = request_ids[0] if len(protos) == 1 else protos[0].request_id.rsplit("-", 1)[0]
+    head = Head(f"{id_prefix}-{answer_id}", int(time.time()), model)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    headers = {"x-request-id": admitted.request_id}
-    writer = make_writer(head, include_usage)
+    headers = {"x-request-id": answer_id}
+    writer = make_writer(head, include_usage, request_ids)
+    pump = pumps[0] if len(pumps) == 1 else MergedPump(pumps)
     return AnswerResponse(pump, writer, names, bool(body.stream), headers)
 
 

@@ -93,6 +93,7 @@ class StreamWriter:
     text, or for the finish. Subclasses say what a choice holds and what comes first."""
 
     object_name = ""
+    usage_event = True  # the usage's own event after the finish (with ``include_usage``)
 
     def __init__(self, head: Head, include_usage: bool) -> None:
         self.head = head
@@ -110,7 +111,7 @@ class StreamWriter:
         }
         return obj | extra
 
-    def _event(self, choices: list, **extra) -> bytes:
+    def stream_event(self, choices: list, **extra) -> bytes:
         nulls = {"usage": None} if self.include_usage else {}
         return event(self.envelope(self.object_name, choices, **(nulls | extra)))
 
@@ -133,12 +134,12 @@ class StreamWriter:
             out += self._start(chunk)
         self._pending += self._entries(chunk)
         if chunk.text:
-            out += self._event([self._choice(chunk.text, self._take(), None)])
+            out += self.stream_event([self._choice(chunk.text, self._take(), None)])
         if chunk.finish_reason:
             reason = FINISH_REASONS.get(chunk.finish_reason, "stop")
-            out += self._event([self._choice("", self._take(), reason)])
-            if self.include_usage:
-                out += self._event([], usage=usage(chunk.usage))
+            out += self.stream_event([self._choice("", self._take(), reason)])
+            if self.include_usage and self.usage_event:
+                out += self.stream_event([], usage=usage(chunk.usage))
         return out
 
     def _take(self) -> list[common_pb2.TokenLogprob]:
@@ -163,7 +164,9 @@ class ChunkWriter(StreamWriter):
 
     def _start(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
         delta = {"role": "assistant", "content": ""}
-        return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        return self.stream_event(
+            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
 
     def _entries(self, chunk: gateway_pb2.GenerateChunk) -> list[common_pb2.TokenLogprob]:
         return list(chunk.logprobs) if self.logprobs else []

@@ -150,19 +150,19 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
+TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 PROMPT_SCHEMA = {
     "anyOf": [
         {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        TOKEN_IDS,
         {
             "type": "array",
-            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            "items": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS]},
             "minItems": 1,
-            "maxItems": 1,
         },
     ],
-    "description": "text (tokenized without a chat template) or token ids; one prompt",
+    "description": "text (tokenized without a chat template) or token ids, or a list of such "
+    "prompts (one choice each)",
 }
 
 
