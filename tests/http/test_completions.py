@@ -290,3 +290,9 @@ def test_several_prompts_one_refused_cancels_the_others(http_stack, client, mode
     wait_for(idle, 30, "no request in flight at the gateway")
     http_stack.wait_no_leaks()
     assert client.completions.create(model=model, prompt=["a", "b"], max_tokens=2).choices
+
+
+def test_a_body_that_is_no_object_names_prompt(http_stack) -> None:
+    reply = httpx.post(http_stack.http_url + "/v1/completions", content=b"[1, 2]")
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"] == "request body must be a JSON object with prompt"

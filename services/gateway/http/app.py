@@ -307,7 +307,7 @@ def _add_error_handlers(app: FastAPI, ctx: HttpContext) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> Response:
-        error = _validation_error(exc)
+        error = _validation_error(exc, request.url.path)
         if _is_chat(request):
             ctx.count(outcome_of(error.status))
         return _error(error)
@@ -321,7 +321,7 @@ def _add_error_handlers(app: FastAPI, ctx: HttpContext) -> None:
         return Response(error.encoded(), error.status, headers, "application/json")
 
 
-def _validation_error(exc: RequestValidationError) -> HttpError:
+def _validation_error(exc: RequestValidationError, url_path: str) -> HttpError:
     """A 400 for the first problem pydantic found, naming its JSON path."""
     first = exc.errors()[0]
     where, *path = first.get("loc", ("body",))
@@ -329,7 +329,8 @@ def _validation_error(exc: RequestValidationError) -> HttpError:
         detail = (first.get("ctx") or {}).get("error", "")
         return invalid(f"request body is not valid JSON: {detail}".rstrip(": "), None)
     if where == "body" and not path:
-        return invalid("request body must be a JSON object with messages", None)
+        needs = "prompt" if url_path == COMPLETIONS_PATH else "messages"
+        return invalid(f"request body must be a JSON object with {needs}", None)
     if where == "header":
         param = "-".join(p.capitalize() for p in str(path[0]).split("-"))
     else:
