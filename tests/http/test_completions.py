@@ -18,19 +18,9 @@ import openai
 import pytest
 
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.http.conftest import ARCH, wait_for
+from tests.http.conftest import wait_for
 
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def client(http_stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=http_stack.http_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
-    return tiny_model_dir(ARCH).name
 
 
 def grpc_raw(stack, text: str, max_tokens: int, **sampling) -> gateway_pb2.GenerateResponse:
@@ -114,7 +104,7 @@ def test_default_max_tokens_is_16(client, model) -> None:
 def test_echo_with_logprobs_puts_the_prompt_first(http_stack, client, model) -> None:
     text = f"What is in this picture {uuid.uuid4().hex[:6]}"
     top = 2
-    reply = client.completions.create(
+    ask = dict(
         model=model,
         prompt=text,
         max_tokens=MAX_TOKENS,
@@ -123,6 +113,7 @@ def test_echo_with_logprobs_puts_the_prompt_first(http_stack, client, model) -> 
         logprobs=top,
         extra_body={"ignore_eos": True},
     )
+    reply = client.completions.create(**ask)
     choice = reply.choices[0]
     num_prompt = reply.usage.prompt_tokens
     assert choice.text.startswith(text)
@@ -144,25 +135,11 @@ def test_echo_with_logprobs_puts_the_prompt_first(http_stack, client, model) -> 
     ):
         assert math.isclose(got, want.logprob, abs_tol=1e-4)
 
-    chunks = list(
-        client.completions.create(
-            model=model,
-            prompt=text,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            echo=True,
-            logprobs=top,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-    )
+    chunks = list(client.completions.create(**ask, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == choice.text
-    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
-    assert tokens == lp.tokens
-    offsets = [
-        o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
-    ]
-    assert offsets == lp.text_offset
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
 
 
 def test_logprobs_without_echo_and_prompt_logprobs_extension(client, model) -> None:

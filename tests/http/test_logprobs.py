@@ -15,20 +15,9 @@ import openai
 import pytest
 
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.http.conftest import ARCH
 
 MAX_TOKENS = 8
 TOP = 3
-
-
-@pytest.fixture(scope="module")
-def client(http_stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=http_stack.http_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
-    return tiny_model_dir(ARCH).name
 
 
 def check_entry(entry, num_top: int) -> None:

@@ -17,19 +17,9 @@ import openai
 import pytest
 
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.http.conftest import ARCH, IMAGE_URL, image_message, outcomes, wait_for
+from tests.http.conftest import IMAGE_URL, image_message, outcomes, wait_for
 
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def client(http_stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=http_stack.http_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
-    return tiny_model_dir(ARCH).name
 
 
 def to_proto(messages: list[dict]) -> list[common_pb2.ChatMessage]:

@@ -60,6 +60,9 @@ from services.gateway.http.responses import AnswerResponse, AnswerWriter
 from services.gateway.registry import ROLES, Role, WorkerRegistry
 from services.gateway.servicer import identity
 
+# Optional headers of both completion routes (see the module's docstring).
+RequestIdHeader = Annotated[str | None, Header(description="the request's id")]
+TimeoutHeader = Annotated[float | None, Header(description="seconds the request may take")]
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 COUNTED_PATHS = (CHAT_PATH, COMPLETIONS_PATH)  # requests counted in the gateway's series
@@ -158,10 +161,8 @@ def create_app(ctx: HttpContext) -> ASGIApp:
     async def chat_completions(
         body: schemas.ChatCompletionRequest,
         request: Request,
-        x_request_id: Annotated[str | None, Header(description="the request's id")] = None,
-        x_request_timeout: Annotated[
-            float | None, Header(description="seconds the request may take")
-        ] = None,
+        x_request_id: RequestIdHeader = None,
+        x_request_timeout: TimeoutHeader = None,
     ) -> Response:
         """Create a chat completion (OpenAI's API), streamed with ``stream: true``."""
         with _counted(ctx):
@@ -178,10 +179,8 @@ def create_app(ctx: HttpContext) -> ASGIApp:
     async def completions(
         body: schemas.CompletionRequest,
         request: Request,
-        x_request_id: Annotated[str | None, Header(description="the request's id")] = None,
-        x_request_timeout: Annotated[
-            float | None, Header(description="seconds the request may take")
-        ] = None,
+        x_request_id: RequestIdHeader = None,
+        x_request_timeout: TimeoutHeader = None,
     ) -> Response:
         """Create a completion of a raw prompt (OpenAI's legacy API), streamed with
         ``stream: true``."""
