@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import xxhash
 
-from protos.epd.v1 import common_pb2
+from protos.epd.v1 import common_pb2, gateway_pb2
 from services.gateway.routing import RoutingKey
 
 
@@ -43,3 +43,16 @@ def routing_key(messages: Iterable[common_pb2.ChatMessage]) -> RoutingKey:
                 continue
             prefix.append(state.intdigest())
     return RoutingKey(image_hashes=tuple(images), prefix_hashes=tuple(prefix))
+
+
+def request_routing_key(request: gateway_pb2.GenerateRequest) -> RoutingKey:
+    """The routing key of a chat (``routing_key``) or of a raw prompt (one hash of its text or
+    token ids: requests with the same prompt go to the same worker's cache)."""
+    if request.prompt_text:
+        digest = xxhash.xxh3_64_intdigest(b"\x00prompt:" + request.prompt_text.encode())
+    elif request.prompt_token_ids:
+        raw = b"".join(i.to_bytes(4, "little") for i in request.prompt_token_ids)
+        digest = xxhash.xxh3_64_intdigest(b"\x00ids:" + raw)
+    else:
+        return routing_key(request.messages)
+    return RoutingKey(image_hashes=(), prefix_hashes=(digest,))

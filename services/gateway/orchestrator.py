@@ -59,7 +59,7 @@ from services.gateway import workers as calls
 from services.gateway.admission import Admitted
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import REQUEST_ABORTED, GatewayError
-from services.gateway.keys import routing_key
+from services.gateway.keys import request_routing_key
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.registry import Role, Worker, WorkerRegistry
 from services.gateway.routing import BasePolicy, RoutingKey, no_pair_message, pair
@@ -200,7 +200,7 @@ class Orchestrator:
         sampling.CopyFrom(request.sampling)
         if not sampling.max_new_tokens:
             sampling.max_new_tokens = self.config.default_max_new_tokens
-        key = routing_key(request.messages)
+        key = request_routing_key(request)
         ordered, reason = self._order(Role.LANGUAGE, self.registry.healthy(Role.LANGUAGE), key)
         languages = self._fitting(ordered, sampling.max_new_tokens, request.sampling)
         job = Job(request, sampling, key, admitted, deadline)
@@ -248,8 +248,15 @@ class Orchestrator:
         if not job.key.image_hashes:  # one per image: text only
             language = languages[0]
             self.metrics.routed("encoder", "text_only")
+            r = job.request
             call = self._start_language(
-                language, job.sampling, self._remaining(job.deadline), messages=job.request.messages
+                language,
+                job.sampling,
+                self._remaining(job.deadline),
+                messages=r.messages,
+                prompt_text=r.prompt_text,
+                prompt_token_ids=r.prompt_token_ids,
+                echo=r.echo,
             )
             job.admitted.on_cancel(call.cancel)  # Abort and client cancel reach the language worker
             return Dispatch(language, None, time.monotonic(), call)
@@ -418,6 +425,8 @@ class Orchestrator:
                     text=chunk.text,
                     token_ids=chunk.token_ids,
                     logprobs=chunk.logprobs,
+                    prompt_logprobs=chunk.prompt_logprobs,
+                    prompt_text=chunk.prompt_text,
                 )
                 if chunk.finish_reason == common_pb2.FINISH_REASON_ERROR:
                     failure = f"language worker failed: {chunk.error or 'error'}"

@@ -75,19 +75,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def GenerateUnary(self, request, context):  # noqa: N802
         texts: list[str] = []
         token_ids: list[int] = []
-        logprobs: list = []
-        tool_calls: list = []
+        reply = gateway_pb2.GenerateResponse()
         final = None
         for chunk in self.Generate(request, context):
             texts.append(chunk.text)
             token_ids.extend(chunk.token_ids)
-            logprobs.extend(chunk.logprobs)
-            tool_calls.extend(chunk.tool_calls)
+            reply.logprobs.extend(chunk.logprobs)
+            reply.prompt_logprobs.extend(chunk.prompt_logprobs)
+            reply.prompt_text += chunk.prompt_text
+            reply.tool_calls.extend(chunk.tool_calls)
             if chunk.finish_reason:
                 final = chunk
-        reply = gateway_pb2.GenerateResponse(text="".join(texts), token_ids=token_ids)
-        reply.logprobs.extend(logprobs)
-        reply.tool_calls.extend(tool_calls)
+        reply.text = "".join(texts)
+        reply.token_ids.extend(token_ids)
         if final is not None:  # always, once Generate ended without an error
             reply.request_id = final.request_id
             reply.finish_reason = final.finish_reason

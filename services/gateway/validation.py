@@ -95,9 +95,34 @@ def invalid(message: str) -> GatewayError:
 def validate_request(request: gateway_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """Raise ``GatewayError(INVALID_ARGUMENT)`` naming the first field that is out of bounds."""
     validate_request_id(request.request_id, limits, required=False)
-    _validate_messages(request, limits)
+    num_prompts = bool(request.messages) + bool(request.prompt_text)
+    if num_prompts + bool(request.prompt_token_ids) > 1:
+        raise invalid("set exactly one of messages, prompt_text, prompt_token_ids")
+    if request.prompt_text or request.prompt_token_ids:
+        _validate_raw_prompt(request, limits)
+    else:
+        _validate_messages(request, limits)
     _validate_sampling(request, limits)
     _validate_tools(request)
+
+
+def _validate_raw_prompt(request: gateway_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """A raw prompt: text of at most ``max_text_chars``, or at most as many token ids (a token
+    is at least one character), none negative."""
+    if len(request.prompt_text) > limits.max_text_chars:
+        raise invalid(
+            f"prompt_text is {len(request.prompt_text)} characters, more than the limit of "
+            f"{limits.max_text_chars}"
+        )
+    ids = request.prompt_token_ids
+    if len(ids) > limits.max_text_chars:
+        raise invalid(
+            f"prompt_token_ids has {len(ids)} entries, more than the limit of "
+            f"{limits.max_text_chars}"
+        )
+    for i, token_id in enumerate(ids):
+        if token_id < 0:
+            raise invalid(f"prompt_token_ids[{i}] must be >= 0, got {token_id}")
 
 
 def validate_request_id(request_id: str, limits: RequestLimits, required: bool) -> None:
@@ -323,6 +348,16 @@ def _validate_sampling(request: gateway_pb2.GenerateRequest, limits: RequestLimi
     if s.HasField("structured_output"):
         _validate_structured(s.structured_output)
     _validate_controls(s, limits)
+    if s.HasField("prompt_logprobs"):
+        if s.prompt_logprobs > MAX_TOP_LOGPROBS:
+            raise invalid(
+                f"sampling.prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {s.prompt_logprobs}"
+            )
+        if any(p.WhichOneof("part") == "image" for m in request.messages for p in m.content):
+            raise invalid("sampling.prompt_logprobs is for text-only prompts (no images)")
+    if request.echo and not (request.prompt_text or request.prompt_token_ids):
+        raise invalid("echo needs a raw prompt (prompt_text or prompt_token_ids)")
     if len(s.stop_token_ids) > limits.max_stop_token_ids:
         raise invalid(
             f"sampling.stop_token_ids has {len(s.stop_token_ids)} entries, more than the limit "

@@ -110,14 +110,21 @@ def generate(
     room: int = 0,
     encoder_endpoint: str = "",
     messages=(),
+    prompt_text: str = "",
+    prompt_token_ids=(),
+    echo: bool = False,
 ):
-    """Start ``LanguageService.Generate``; returns the streaming call (iterable, cancellable)."""
+    """Start ``LanguageService.Generate``; returns the streaming call (iterable, cancellable).
+    A text-only request carries ``messages`` or a raw prompt (text or token ids)."""
     request = language_pb2.LanguageGenerateRequest(
         request_id=request_id,
         room=room,
         encoder_endpoint=encoder_endpoint,
         messages=list(messages),
         sampling=sampling,
+        prompt_text=prompt_text,
+        prompt_token_ids=list(prompt_token_ids),
+        echo=echo,
     )
     return _start(worker, _stubs(worker).service.Generate, request, timeout_s)
 

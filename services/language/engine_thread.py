@@ -46,11 +46,14 @@ class DuplicateRequestError(ValueError):
 
 @dataclass
 class Submission:
-    """A new request as the servicer hands it over (exactly one of messages / inputs / room)."""
+    """A new request as the servicer hands it over (exactly one of messages, prompt_text,
+    prompt_token_ids, inputs, room)."""
 
     request_id: str
     params: SamplingParams
     messages: list[dict] | None = None
+    prompt_text: str | None = None  # a raw prompt, tokenized without the chat template
+    prompt_token_ids: list[int] | None = None
     inputs: PromptInputs | None = None
     room: int = 0
     encoder_endpoint: str = ""
@@ -90,20 +93,17 @@ class EngineThread:
     def submit(self, sub: Submission) -> queue.Queue[RequestOutput]:
         """Queue ``sub``; raises QueueFullError, DuplicateRequestError or EngineStoppedError.
 
-        A chat is tokenized, and a structured output compiled, here, on the caller's thread, so
-        that the engine thread spends no step time on chat templates or grammars; a chat that
-        cannot be tokenized or a grammar that cannot be compiled ends its request alone (its
-        stream gets the error)."""
+        A chat or a raw prompt is tokenized, and a structured output compiled, here, on the
+        caller's thread, so that the engine thread spends no step time on chat templates or
+        grammars; a prompt that cannot be tokenized or a grammar that cannot be compiled ends
+        its request alone (its stream gets the error)."""
         stream: queue.Queue[RequestOutput] = queue.Queue()
         failure = None
         try:
-            if sub.messages is not None:
-                sub = replace(
-                    sub, inputs=self.engine.tokenize_messages(sub.messages), messages=None
-                )
+            sub = self._tokenized(sub)
             if sub.params.structured is not None:
                 sub = replace(sub, guide=self.engine.grammars.guide(sub.params.structured))
-        except Exception as exc:  # a bad chat or grammar must not take anything else down
+        except Exception as exc:  # a bad prompt or grammar must not take anything else down
             failure = exc
         with self._lock:
             if self._stopping:
@@ -120,6 +120,19 @@ class EngineThread:
         if failure is not None:
             stream.put(_error_output(sub.request_id, failure))
         return stream
+
+    def _tokenized(self, sub: Submission) -> Submission:
+        """``sub`` with its chat or raw prompt turned into inputs."""
+        if sub.messages is not None:
+            return replace(sub, inputs=self.engine.tokenize_messages(sub.messages), messages=None)
+        if sub.prompt_text is not None:
+            return replace(
+                sub, inputs=self.engine.tokenize_prompt(sub.prompt_text), prompt_text=None
+            )
+        if sub.prompt_token_ids is not None:
+            inputs = self.engine.prompt_of_ids(sub.prompt_token_ids)
+            return replace(sub, inputs=inputs, prompt_token_ids=None)
+        return sub
 
     def is_active(self, request_id: str) -> bool:
         """Whether ``request_id`` was submitted and has not finished."""
@@ -261,6 +274,7 @@ def coalesced_outputs(stream: queue.Queue[RequestOutput]) -> Iterator[RequestOut
                 token_ids=out.token_ids + nxt.token_ids,
                 text=out.text + nxt.text,
                 logprobs=out.logprobs + nxt.logprobs,
+                prompt_logprobs=out.prompt_logprobs + nxt.prompt_logprobs,
             )
         yield out
         if out.finished:

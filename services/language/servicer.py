@@ -18,7 +18,7 @@ import grpc
 from common.transfer.layout import dtype_name, parse_dtype
 from protos.epd.v1 import common_pb2, language_pb2, language_pb2_grpc
 from services.language.engine.request import ErrorKind, RequestOutput
-from services.language.engine.sampling import SamplingParams, StructuredOutput
+from services.language.engine.sampling import SamplingParams, StructuredOutput, TokenLogprob
 from services.language.engine_thread import (
     DuplicateRequestError,
     EngineStoppedError,
@@ -58,6 +58,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         structured=structured_from_proto(p.structured_output)
         if p.HasField("structured_output")
         else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -82,14 +83,26 @@ def messages_from_proto(messages) -> list[dict]:
     return out
 
 
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    top = [
+        common_pb2.TopLogprob(
+            token_id=t.token_id, logprob=t.logprob, token=t.token, token_bytes=t.token_bytes
+        )
+        for t in lp.top
+    ]
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=top,
+        token=lp.token,
+        token_bytes=lp.token_bytes,
+    )
+
+
 def chunk_from_output(out: RequestOutput) -> language_pb2.LanguageGenerateChunk:
     chunk = language_pb2.LanguageGenerateChunk(text=out.text, token_ids=out.token_ids)
-    for lp in out.logprobs:
-        chunk.logprobs.add(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-        )
+    chunk.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
+    chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
     if out.finished:
         chunk.finish_reason = int(out.finish_reason)
         chunk.usage.prompt_tokens = out.num_prompt_tokens
@@ -136,34 +149,61 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         rid = request.request_id
         if not context.add_callback(lambda: self.engine_thread.abort(rid, stream)):
             self.engine_thread.abort(rid, stream)  # the call already ended
+        echo = self._echo_text(request) if request.echo else ""
         for out in coalesced_outputs(stream):
             if out.error_kind in STATUS_OF_ERROR:
                 context.abort(STATUS_OF_ERROR[out.error_kind], out.error)
-            yield chunk_from_output(out)
+            chunk = chunk_from_output(out)
+            chunk.prompt_text, echo = echo, ""  # the first chunk only
+            yield chunk
+
+    def _echo_text(self, request) -> str:
+        """The raw prompt's text: as sent, or its token ids decoded (special tokens kept)."""
+        if request.prompt_text:
+            return request.prompt_text
+        tokenizer = self.engine_thread.engine.tokenizer
+        return tokenizer.decode(list(request.prompt_token_ids), skip_special_tokens=False)
 
     def _submission(self, request, context) -> Submission:
         """The request as the engine thread takes it; aborts the call when it is malformed."""
         if not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        prompts = [
+            bool(request.messages),
+            bool(request.prompt_text),
+            bool(request.prompt_token_ids),
+        ]
+        if sum(prompts) > 1 or (request.room and any(prompts[1:])):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "set at most one of room, messages, prompt_text, prompt_token_ids",
+            )
         try:
             params = sampling_from_proto(request.sampling)
-            messages = None if request.room else messages_from_proto(request.messages)
+            messages = None if request.room else messages_from_proto(request.messages) or None
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.room and not request.encoder_endpoint:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "room needs encoder_endpoint")
         if request.room and self.source is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker receives no rooms")
-        if not request.room and not messages:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text-only request without messages")
+        if not request.room and not any(prompts):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text-only request without a prompt")
+        if request.room and params.prompt_logprobs is not None:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs is for text-only prompts"
+            )
+        if request.echo and not any(prompts[1:]):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "echo needs prompt_text or ids")
         return Submission(
             request.request_id,
             params,
             messages,
-            None,
-            request.room,
-            request.encoder_endpoint,
-            deadline_of(context),
+            request.prompt_text or None,
+            list(request.prompt_token_ids) or None,
+            room=request.room,
+            encoder_endpoint=request.encoder_endpoint,
+            deadline=deadline_of(context),
         )
 
     def Abort(self, request, context):

@@ -339,3 +339,62 @@ def test_limits_mirror_the_config_block() -> None:
 def test_config_refuses_bad_limits(overrides: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         GatewayConfig(**overrides)
+
+
+def raw_prompt(**fields: object) -> gateway_pb2.GenerateRequest:
+    sampling = fields.pop("sampling", None)
+    return gateway_pb2.GenerateRequest(sampling=sampling, **fields)
+
+
+# A raw prompt (text or token ids) instead of messages: name -> (request, words).
+BAD_RAW = {
+    "messages and prompt_text": (
+        edit(lambda r: setattr(r, "prompt_text", "hi")),
+        ["exactly one of messages, prompt_text, prompt_token_ids"],
+    ),
+    "prompt_text and ids": (
+        raw_prompt(prompt_text="hi", prompt_token_ids=[1]),
+        ["exactly one of messages, prompt_text, prompt_token_ids"],
+    ),
+    "long prompt_text": (
+        raw_prompt(prompt_text="x" * 101),
+        ["prompt_text is 101 characters", "limit of 100"],
+    ),
+    "too many prompt ids": (
+        raw_prompt(prompt_token_ids=[1] * 101),
+        ["prompt_token_ids has 101 entries", "limit of 100"],
+    ),
+    "negative prompt id": (
+        raw_prompt(prompt_token_ids=[1, -3]),
+        ["prompt_token_ids[1] must be >= 0, got -3"],
+    ),
+    "prompt_logprobs above 20": (
+        raw_prompt(prompt_text="hi", sampling=common_pb2.SamplingParams(prompt_logprobs=21)),
+        ["sampling.prompt_logprobs must be in [0, 20], got 21"],
+    ),
+    "prompt_logprobs with an image": (
+        make_request(prompt_logprobs=0),
+        ["sampling.prompt_logprobs is for text-only prompts"],
+    ),
+    "echo of messages": (
+        edit(lambda r: setattr(r, "echo", True)),
+        ["echo needs a raw prompt"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_RAW))
+def test_bad_raw_prompt_is_invalid_argument_naming_its_field(name: str) -> None:
+    request, words = BAD_RAW[name]
+    with pytest.raises(GatewayError) as info:
+        validate_request(request, LIMITS)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    for word in words:
+        assert word in info.value.message
+
+
+def test_raw_prompts_at_their_bounds_pass() -> None:
+    validate_request(raw_prompt(prompt_text="x" * 100, echo=True), LIMITS)
+    validate_request(raw_prompt(prompt_token_ids=[0] * 100, echo=True), LIMITS)
+    sampling = common_pb2.SamplingParams(prompt_logprobs=20)
+    validate_request(raw_prompt(prompt_text="x", sampling=sampling), LIMITS)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from common.procs import ServiceProcess, free_port
@@ -75,6 +76,18 @@ def http_stack(tiny_model_dir, tmp_path_factory) -> Iterator[Stack]:
     stack = start_http_stack(tiny_model_dir(ARCH), tmp_path_factory.mktemp("http-stack"))
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="module")
+def client(http_stack: Stack) -> openai.OpenAI:
+    """The official ``openai`` client on the shared stack."""
+    return openai.OpenAI(base_url=http_stack.http_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    """The name the shared stack serves its checkpoint as."""
+    return tiny_model_dir(ARCH).name
 
 
 @pytest.fixture

@@ -173,13 +173,11 @@ CASES: dict[str, tuple[dict, dict, str, list[str]]] = {
         ["top_k must be in [-1, 1000]", "-2"],
     ),
     "top_k above the limit": (edit(lambda b: None, top_k=1001), {}, "top_k", ["1001"]),
-    # the HTTP API names token strings in its log-probabilities, which the gateway (no
-    # tokenizer) cannot give: any top_logprobs is refused there, 21 included
     "top_logprobs above 20": (
-        edit(lambda b: None, top_logprobs=21),
+        edit(lambda b: None, logprobs=True, top_logprobs=21),
         {},
         "top_logprobs",
-        ["top_logprobs is not supported"],
+        ["top_logprobs must be in [0, 20], got 21"],
     ),
     "frequency_penalty above 2": (
         edit(lambda b: None, frequency_penalty=2.5),

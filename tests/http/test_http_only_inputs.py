@@ -82,7 +82,16 @@ HTTP_ONLY: dict[str, tuple[dict | bytes, str | None, list[str]]] = {
         "messages[0].content[2].image_url.url",
         ["got no scheme"],
     ),
-    "logprobs": (edit(lambda b: None, logprobs=True), "logprobs", ["not supported"]),
+    "negative top_logprobs": (
+        edit(lambda b: None, logprobs=True, top_logprobs=-1),
+        "top_logprobs",
+        ["top_logprobs must be in [0, 20], got -1"],
+    ),
+    "top_logprobs without logprobs": (
+        edit(lambda b: None, top_logprobs=2),
+        "top_logprobs",
+        ["top_logprobs is only allowed when logprobs is true"],
+    ),
     "tool without a function": (
         edit(lambda b: None, tools=[{"type": "function"}]),
         "tools[0].function",

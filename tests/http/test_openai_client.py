@@ -24,16 +24,6 @@ from tests.http.conftest import ARCH, IMAGE_URL, image_message, outcomes, wait_f
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def client(http_stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=http_stack.http_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
-    return tiny_model_dir(ARCH).name
-
-
 def to_proto(messages: list[dict]) -> list[common_pb2.ChatMessage]:
     """The same messages as gRPC protos."""
     out = []

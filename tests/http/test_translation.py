@@ -188,3 +188,79 @@ def test_an_event_stays_one_line_whatever_the_text_holds():
     lines = raw.decode().splitlines()
     assert lines[1:] == [""]  # one line for any splitter, then the blank line that ends it
     assert json.loads(lines[0][len("data: ") :]) == {"content": text}
+
+
+def logprob(token: str, value: float) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token=token, logprob=value, token_bytes=token.encode())
+
+
+def test_streamed_logprobs_wait_for_text_and_the_finish_carries_the_rest() -> None:
+    """A chunk whose text the worker held back (a possible stop string) has tokens but no text:
+    its entries go out with the next text delta; entries of tokens whose text a stop string cut
+    go out with the finish delta. Every entry goes out once, in order."""
+    head = Head("chatcmpl-x", 1, "m")
+    chunks = [
+        gateway_pb2.GenerateChunk(text="", token_ids=[1], logprobs=[logprob("E", -0.1)]),
+        gateway_pb2.GenerateChunk(text="En", token_ids=[2], logprobs=[logprob("n", -0.2)]),
+        gateway_pb2.GenerateChunk(
+            text="",
+            token_ids=[3],
+            logprobs=[logprob("END", -0.3)],
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+        ),
+    ]
+    writer = ChunkWriter(head, include_usage=False, logprobs=True)
+    raw = b"".join(writer.write(c) for c in chunks)
+    events = [json.loads(e[len(b"data: ") :]) for e in raw.split(b"\n\n") if e]
+    for e in events:
+        schemas.ChatCompletionChunk.model_validate(e)
+    shown = [
+        ([x["token"] for x in c["logprobs"]["content"]] if c["logprobs"] else None, c["delta"])
+        for c in (e["choices"][0] for e in events)
+    ]
+    assert shown == [
+        (None, {"role": "assistant", "content": ""}),
+        (["E", "n"], {"content": "En"}),
+        (["END"], {}),
+    ]
+    obj = ChunkWriter(head, False, logprobs=True).unary(chunks)
+    schemas.ChatCompletion.model_validate(obj)
+    assert [x["token"] for x in obj["choices"][0]["logprobs"]["content"]] == ["E", "n", "END"]
+    assert obj["choices"][0]["logprobs"]["refusal"] is None
+    assert ChunkWriter(head, False).unary(chunks)["choices"][0]["logprobs"] is None
+
+
+def test_completion_body_to_proto() -> None:
+    from services.gateway.http.completions import to_completion_requests
+
+    body = schemas.CompletionRequest(prompt=[[5, 6]], echo=True, logprobs=2, prompt_logprobs=1)
+    [request], names, ask = to_completion_requests(body, "r1", RequestLimits())
+    assert request.request_id == "r1"
+    assert list(request.prompt_token_ids) == [5, 6] and request.echo
+    s = request.sampling
+    assert (s.max_new_tokens, s.logprobs, s.top_logprobs, s.prompt_logprobs) == (16, True, 2, 2)
+    assert (ask.echo, ask.logprobs, ask.prompt_logprobs) == (True, 2, 1)
+    assert names.rewrite("sampling.top_logprobs must be x") == ("logprobs must be x", "logprobs")
+    assert names.rewrite("prompt_text is 9 characters") == ("prompt is 9 characters", "prompt")
+    assert names.rewrite("prompt_token_ids[3] must be >= 0") == (
+        "prompt[3] must be >= 0",
+        "prompt[3]",
+    )
+    [request], _, ask = to_completion_requests(
+        schemas.CompletionRequest(prompt="Hi", max_tokens=3), "", RequestLimits()
+    )
+    assert request.prompt_text == "Hi" and request.sampling.max_new_tokens == 3
+    assert not request.sampling.HasField("prompt_logprobs") and ask.logprobs is None
+
+    several, _, _ = to_completion_requests(
+        schemas.CompletionRequest(prompt=["a", [7, 8]]), "R", RequestLimits()
+    )
+    assert [(r.request_id, r.prompt_text, list(r.prompt_token_ids)) for r in several] == [
+        ("R-0", "a", []),
+        ("R-1", "", [7, 8]),
+    ]
+    drawn, _, _ = to_completion_requests(
+        schemas.CompletionRequest(prompt=["a", "b"]), "", RequestLimits()
+    )
+    base = drawn[0].request_id[: -len("-0")]
+    assert base and [r.request_id for r in drawn] == [f"{base}-0", f"{base}-1"]

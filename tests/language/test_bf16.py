@@ -66,7 +66,7 @@ def test_bf16_engine_matches_bf16_transformers(ref, engines, kernel):
         got = generate(engine, inputs, 1, top_logprobs=TOP)[1].logprobs[0]
         reference = ref.next_token_logprobs(ref_inputs)
         assert got.token_id == int(reference.argmax())
-        worst = max(abs(lp - float(reference[t])) for t, lp in got.top)
+        worst = max(abs(t.logprob - float(reference[t.token_id])) for t in got.top)
         assert worst <= BF16_LOGPROB_TOL, f"first-step log-probabilities differ by {worst:.4f}"
 
 

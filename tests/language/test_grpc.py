@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.models.hf_reference import HFReference
@@ -200,3 +201,58 @@ def test_duplicate_request_id_in_flight_is_refused(server):
     err = generate_error(stub, request)
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "dup" in err.details()
     first.cancel()
+
+
+def test_raw_prompt_text_and_ids_without_chat_template(server):
+    """A raw prompt is tokenized as it is (no chat template): its greedy answer is the
+    reference's on the same ids; its token ids give the same answer; echo returns the text."""
+    model, channel, _ = server
+    stub = language_pb2_grpc.LanguageServiceStub(channel)
+    text = "raw prompt over grpc"
+    sampling = common_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    chunks = list(
+        stub.Generate(
+            language_pb2.LanguageGenerateRequest(
+                request_id="raw1", prompt_text=text, sampling=sampling, echo=True
+            )
+        )
+    )
+    ref = HFReference(model)
+    ids = ref.tokenizer(text).input_ids
+    assert [p.token_id for p in chunks[0].prompt_logprobs] == ids
+    assert chunks[0].prompt_text == text and all(not c.prompt_text for c in chunks[1:])
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+    inputs = ref.build_inputs(text, [])
+    inputs.input_ids = torch.tensor([ids])
+    inputs.mm_token_type_ids = torch.zeros_like(inputs.input_ids)
+    expected = ref.generate(inputs, 6)
+    assert [t for c in chunks for t in c.token_ids] == expected
+    by_ids = list(
+        stub.Generate(
+            language_pb2.LanguageGenerateRequest(
+                request_id="raw2", prompt_token_ids=ids, sampling=sampling, echo=True
+            )
+        )
+    )
+    assert [t for c in by_ids for t in c.token_ids] == expected
+    assert by_ids[0].prompt_text == ref.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"prompt_text": "a", "prompt_token_ids": [1]}, "at most one of"),
+        ({"prompt_token_ids": [1, 10**6]}, "prompt_token_ids[1] must be in [0, "),
+        ({"prompt_text": "a", "echo": False, "room": 5, "encoder_endpoint": "e"}, "at most one"),
+        ({"messages": [common_pb2.ChatMessage(role="user")], "echo": True}, "echo needs"),
+        ({}, "without a prompt"),
+    ],
+)
+def test_raw_prompt_refusals_name_the_field(server, fields, words):
+    _, channel, _ = server
+    stub = language_pb2_grpc.LanguageServiceStub(channel)
+    request = language_pb2.LanguageGenerateRequest(request_id="bad-raw", **fields)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.value.details()

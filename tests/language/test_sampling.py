@@ -104,8 +104,8 @@ def test_token_logprob_is_the_model_distribution_with_its_top_tokens():
     got = token_logprob(row, 1, num_top=2)
     expected = torch.log_softmax(row, dim=-1)
     assert got.token_id == 1 and math.isclose(got.logprob, float(expected[1]), rel_tol=1e-6)
-    assert [t for t, _ in got.top] == [2, 0]  # most likely first
-    assert all(math.isclose(v, float(expected[t]), rel_tol=1e-6) for t, v in got.top)
+    assert [t.token_id for t in got.top] == [2, 0]  # most likely first
+    assert all(math.isclose(t.logprob, float(expected[t.token_id]), rel_tol=1e-6) for t in got.top)
     assert token_logprob(row, 0, num_top=0).top == []
 
 

@@ -1,7 +1,8 @@
-"""The HTTP front door: OpenAI's chat completions and models, health, and the status page.
+"""The HTTP front door: OpenAI's chat and legacy completions and models, health, the status page.
 
 Routes:
-* ``POST /v1/chat/completions`` (streamed with ``stream: true``), ``GET /v1/models``,
+* ``POST /v1/chat/completions`` and ``POST /v1/completions`` (a raw prompt: text or token ids;
+  both streamed with ``stream: true``), ``GET /v1/models``,
   ``GET /v1/models/{model}`` — API key required when keys are configured (``guard.py``);
 * ``GET /health`` — 200 while serving, 503 once stopping; the pools' health counts;
 * ``GET /dashboard``, ``GET /dashboard/state``, ``GET /dashboard/static/{file}`` — the status page
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from threading import Event
@@ -35,21 +38,34 @@ from starlette.types import ASGIApp
 
 from common.auth import BearerKeys
 from common.drain import Readiness
+from protos.epd.v1 import gateway_pb2
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.frontdoor import Api, FrontDoor
 from services.gateway.http import schemas
-from services.gateway.http.bridge import ChunkPump
-from services.gateway.http.convert import check_model, model_not_found, to_generate_request
+from services.gateway.http.bridge import ChunkPump, MergedPump
+from services.gateway.http.completion_replies import CompletionWriter, ManyCompletionsWriter
+from services.gateway.http.completions import to_completion_requests
+from services.gateway.http.convert import (
+    FieldNames,
+    check_model,
+    model_not_found,
+    to_generate_request,
+)
 from services.gateway.http.dashboard import DashboardSampler
 from services.gateway.http.errors import HttpError, from_gateway, invalid, outcome_of, status_error
 from services.gateway.http.guard import Guard, key_problem
-from services.gateway.http.replies import Head, dumps
-from services.gateway.http.responses import ChatResponse
+from services.gateway.http.replies import ChunkWriter, Head, dumps
+from services.gateway.http.responses import AnswerResponse, AnswerWriter
 from services.gateway.registry import ROLES, Role, WorkerRegistry
 from services.gateway.servicer import identity
 
+# Optional headers of both completion routes (see the module's docstring).
+RequestIdHeader = Annotated[str | None, Header(description="the request's id")]
+TimeoutHeader = Annotated[float | None, Header(description="seconds the request may take")]
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+COUNTED_PATHS = (CHAT_PATH, COMPLETIONS_PATH)  # requests counted in the gateway's series
 OWNER = "epd-serve"
 STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 PAGE_HEADERS = {
@@ -67,6 +83,17 @@ CHAT_RESPONSES = {
         "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/ChatEvent"}}},
     },
     **{s: {"model": schemas.ErrorResponse} for s in (400, 401, 404, 409, 413, 429, 500, 503, 504)},
+}
+COMPLETION_RESPONSES = {
+    **CHAT_RESPONSES,
+    200: {
+        "model": schemas.TextCompletion,
+        "description": "a text_completion; with stream: true, Server-Sent Events each carrying a "
+        "text_completion with the text delta, ending with `data: [DONE]`",
+        "content": {
+            "text/event-stream": {"schema": {"$ref": "#/components/schemas/CompletionEvent"}}
+        },
+    },
 }
 
 
@@ -134,31 +161,41 @@ def create_app(ctx: HttpContext) -> ASGIApp:
     async def chat_completions(
         body: schemas.ChatCompletionRequest,
         request: Request,
-        x_request_id: Annotated[str | None, Header(description="the request's id")] = None,
-        x_request_timeout: Annotated[
-            float | None, Header(description="seconds the request may take")
-        ] = None,
+        x_request_id: RequestIdHeader = None,
+        x_request_timeout: TimeoutHeader = None,
     ) -> Response:
         """Create a chat completion (OpenAI's API), streamed with ``stream: true``."""
-        try:
+        with _counted(ctx):
             model = check_model(body.model, ctx.served_models())
             timeout_s = _timeout_s(x_request_timeout)
             proto, names = to_generate_request(body, x_request_id or "", ctx.front_door.limits)
-        except HttpError as exc:
-            ctx.count(outcome_of(exc.status))
-            raise
-        peer = f"{request.client.host}:{request.client.port}" if request.client else "-"
-        caller = identity(request.headers.get("authorization"), peer)
-        try:
-            admitted = ctx.front_door.admit(proto, caller, Api.HTTP)
-        except GatewayError as exc:
-            raise from_gateway(exc, names) from None
-        chunks = ctx.front_door.run(proto, admitted, timeout_s, Api.HTTP)
-        pump = ChunkPump(chunks, admitted.cancel, ctx.executor)
-        head = Head(f"chatcmpl-{admitted.request_id}", int(time.time()), model)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        headers = {"x-request-id": admitted.request_id}
-        return ChatResponse(pump, head, names, bool(body.stream), include_usage, headers)
+
+        def writer(head: Head, include_usage: bool, request_ids: list[str]) -> ChunkWriter:
+            return ChunkWriter(head, include_usage, bool(body.logprobs))
+
+        return _answer(ctx, request, body, [proto], names, model, timeout_s, "chatcmpl", writer)
+
+    @app.post(COMPLETIONS_PATH, response_model=None, responses=COMPLETION_RESPONSES)
+    async def completions(
+        body: schemas.CompletionRequest,
+        request: Request,
+        x_request_id: RequestIdHeader = None,
+        x_request_timeout: TimeoutHeader = None,
+    ) -> Response:
+        """Create a completion of a raw prompt (OpenAI's legacy API), streamed with
+        ``stream: true``."""
+        with _counted(ctx):
+            model = check_model(body.model, ctx.served_models())
+            timeout_s = _timeout_s(x_request_timeout)
+            limits = ctx.front_door.limits
+            protos, names, ask = to_completion_requests(body, x_request_id or "", limits)
+
+        def writer(head: Head, include_usage: bool, request_ids: list[str]) -> AnswerWriter:
+            if len(request_ids) > 1:
+                return ManyCompletionsWriter(head, include_usage, ask, request_ids)
+            return CompletionWriter(head, include_usage, ask)
+
+        return _answer(ctx, request, body, protos, names, model, timeout_s, "cmpl", writer)
 
     @app.get("/v1/models", response_model=schemas.ModelList, responses=ERRORS)
     async def list_models() -> Response:
@@ -201,14 +238,61 @@ def create_app(ctx: HttpContext) -> ASGIApp:
     return Guard(app, ctx.keys, config.max_message_mb << 20, lambda p, o: _refused(ctx, p, o))
 
 
+@contextmanager
+def _counted(ctx: HttpContext) -> Iterator[None]:
+    """Count a request refused with an ``HttpError`` in the body under its outcome."""
+    try:
+        yield
+    except HttpError as exc:
+        ctx.count(outcome_of(exc.status))
+        raise
+
+
+def _answer(
+    ctx: HttpContext,
+    request: Request,
+    body: schemas.SamplingFields,
+    protos: list[gateway_pb2.GenerateRequest],
+    names: FieldNames,
+    model: str,
+    timeout_s: float | None,
+    id_prefix: str,
+    make_writer: Callable[[Head, bool, list[str]], AnswerWriter],
+) -> Response:
+    """Admit ``protos`` (one request each; a refusal of one cancels those admitted before it)
+    and answer them (JSON, or events with ``stream``) in ``make_writer``'s shapes; the answer's
+    id is ``<id_prefix>-<the request id>`` (of several: their id without its ``-i``)."""
+    peer = f"{request.client.host}:{request.client.port}" if request.client else "-"
+    caller = identity(request.headers.get("authorization"), peer)
+    pumps: list[ChunkPump] = []
+    request_ids: list[str] = []
+    for proto in protos:
+        try:
+            admitted = ctx.front_door.admit(proto, caller, Api.HTTP)
+        except GatewayError as exc:
+            for pump in pumps:
+                pump.close()
+            raise from_gateway(exc, names) from None
+        chunks = ctx.front_door.run(proto, admitted, timeout_s, Api.HTTP)
+        pumps.append(ChunkPump(chunks, admitted.cancel, ctx.executor))
+        request_ids.append(admitted.request_id)
+    answer_id = request_ids[0] if len(protos) == 1 else protos[0].request_id.rsplit("-", 1)[0]
+    head = Head(f"{id_prefix}-{answer_id}", int(time.time()), model)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    headers = {"x-request-id": answer_id}
+    writer = make_writer(head, include_usage, request_ids)
+    pump = pumps[0] if len(pumps) == 1 else MergedPump(pumps)
+    return AnswerResponse(pump, writer, names, bool(body.stream), headers)
+
+
 def _refused(ctx: HttpContext, path: str, outcome: str) -> None:
-    if path == CHAT_PATH:
+    if path in COUNTED_PATHS:
         ctx.count(outcome)
 
 
 def _is_chat(request: Request) -> bool:
-    """A chat completion request (counted in the gateway's series however it ends)."""
-    return request.url.path == CHAT_PATH and request.method == "POST"
+    """A completion request (counted in the gateway's series however it ends)."""
+    return request.url.path in COUNTED_PATHS and request.method == "POST"
 
 
 def _model(name: str, created: int) -> dict:
@@ -222,7 +306,7 @@ def _add_error_handlers(app: FastAPI, ctx: HttpContext) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> Response:
-        error = _validation_error(exc)
+        error = _validation_error(exc, request.url.path)
         if _is_chat(request):
             ctx.count(outcome_of(error.status))
         return _error(error)
@@ -236,7 +320,7 @@ def _add_error_handlers(app: FastAPI, ctx: HttpContext) -> None:
         return Response(error.encoded(), error.status, headers, "application/json")
 
 
-def _validation_error(exc: RequestValidationError) -> HttpError:
+def _validation_error(exc: RequestValidationError, url_path: str) -> HttpError:
     """A 400 for the first problem pydantic found, naming its JSON path."""
     first = exc.errors()[0]
     where, *path = first.get("loc", ("body",))
@@ -244,7 +328,8 @@ def _validation_error(exc: RequestValidationError) -> HttpError:
         detail = (first.get("ctx") or {}).get("error", "")
         return invalid(f"request body is not valid JSON: {detail}".rstrip(": "), None)
     if where == "body" and not path:
-        return invalid("request body must be a JSON object with messages", None)
+        needs = "prompt" if url_path == COMPLETIONS_PATH else "messages"
+        return invalid(f"request body must be a JSON object with {needs}", None)
     if where == "header":
         param = "-".join(p.capitalize() for p in str(path[0]).split("-"))
     else:
@@ -272,6 +357,7 @@ def _finish_openapi(app: FastAPI) -> None:
             components.update(chunk.pop("$defs", {}))
             components["ChatCompletionChunk"] = chunk
             components["ChatEvent"] = schemas.CHAT_EVENT
+            components["CompletionEvent"] = schemas.COMPLETION_EVENT
         return app.openapi_schema
 
     app.openapi = openapi

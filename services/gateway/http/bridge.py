@@ -87,3 +87,49 @@ class ChunkPump:
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
+
+
+class MergedPump:
+    """Several requests' pumps as one (a legacy completion of several prompts): ``next`` gives
+    the next chunk any of them produced, None once all ended; an error from one closes the
+    others and is raised; ``close`` closes them all (a waiting ``next`` raises ``Closed``).
+    Chunks tell their request apart by ``request_id``."""
+
+    def __init__(self, pumps: list[ChunkPump]) -> None:
+        self._pumps = pumps
+        self._waiting: dict[asyncio.Future, int] = {}  # each live pump's next(), by position
+        for i in range(len(pumps)):
+            self._arm(i)
+        self._closed = False
+
+    def _arm(self, i: int) -> None:
+        self._waiting[asyncio.ensure_future(self._pumps[i].next())] = i
+
+    async def next(self) -> gateway_pb2.GenerateChunk | None:
+        while self._waiting:
+            done, _ = await asyncio.wait(self._waiting, return_when=asyncio.FIRST_COMPLETED)
+            if self._closed:
+                raise Closed()
+            task = min(done, key=self._waiting.__getitem__)  # the first prompt's first
+            i = self._waiting.pop(task)
+            try:
+                chunk = task.result()
+            except BaseException:
+                self.close()
+                raise
+            if chunk is not None:
+                self._arm(i)
+                return chunk
+        return None
+
+    def close(self) -> None:
+        """Close every pump (a no-op for those that ended) and drop what they would give."""
+        self._closed = True
+        for pump in self._pumps:
+            pump.close()
+        for task in self._waiting:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: nobody will read it
+            else:
+                task.cancel()
+        self._waiting.clear()

@@ -27,9 +27,9 @@ from typing import Any
 from common.sampling_bounds import MAX_LOGIT_BIAS_ENTRIES, MAX_REPETITION_PENALTY
 from protos.epd.v1 import common_pb2, gateway_pb2
 from services.gateway.http.errors import HttpError, invalid
-from services.gateway.http.schemas import ChatCompletionRequest
+from services.gateway.http.schemas import ChatCompletionRequest, SamplingFields
 from services.gateway.http.structured import structured_output
-from services.gateway.validation import RequestLimits
+from services.gateway.validation import MAX_TOP_LOGPROBS, RequestLimits
 
 MAX_UINT32 = (1 << 32) - 1
 MAX_INT32 = (1 << 31) - 1
@@ -38,7 +38,8 @@ ROLE_ALIASES = {"developer": "system"}
 REQUEST_ID_HEADER = "X-Request-Id"
 # A gRPC field path at the start of a validation message: "messages[2].content[0].image.data".
 FIELD_PATH = re.compile(
-    r"^(messages|sampling|request_id|tools|tool_choice)((?:\[\d+\])?(?:\.[a-z_0-9]+(?:\[\d+\])?)*)"
+    r"^(messages|sampling|request_id|tools|tool_choice|prompt_text|prompt_token_ids)"
+    r"((?:\[\d+\])?(?:\.[a-z_0-9]+(?:\[\d+\])?)*)"
 )
 WORKER_PREFIX = "language worker "  # how the gateway names a worker whose refusal it passes on
 SEGMENT = re.compile(r"\.?([a-z_0-9]+)(?:\[(\d+)\])?")
@@ -57,6 +58,8 @@ SAMPLING_NAMES = {
     "logit_bias": "logit_bias",
     "min_p": "min_p",
     "min_tokens": "min_tokens",
+    "top_logprobs": "top_logprobs",
+    "prompt_logprobs": "prompt_logprobs",
 }
 
 
@@ -67,6 +70,8 @@ class FieldNames:
     max_tokens_name: str = "max_tokens"
     structured_name: str = ""  # the JSON path of the structured output asked for
     string_contents: set[int] = field(default_factory=set)  # messages whose content is a str
+    # sampling proto field -> JSON name, where an endpoint names one otherwise
+    renamed: dict[str, str] = field(default_factory=dict)
 
     def rewrite(self, message: str) -> tuple[str, str | None]:
         """(``message`` in JSON terms, the JSON path it names or None). The path starts the
@@ -89,9 +94,14 @@ class FieldNames:
             return self.structured_name or "response_format"
         if path.startswith(("tools", "tool_choice")) or ".tool_calls" in path:
             return _tool_path(path)
+        if path.startswith(("prompt_text", "prompt_token_ids")):  # the one "prompt" it came as
+            return "prompt" + path[path.find("[") :] if "[" in path else "prompt"
         if path.startswith("sampling."):
             name, _, rest = path[len("sampling.") :].partition("[")
-            json_name = self.max_tokens_name if name == "max_new_tokens" else SAMPLING_NAMES[name]
+            if name == "max_new_tokens":
+                json_name = self.max_tokens_name
+            else:
+                json_name = self.renamed.get(name) or SAMPLING_NAMES[name]
             return json_name + (f"[{rest}" if rest else "")
         out, message = [], -1
         for name, index in SEGMENT.findall(path):
@@ -133,8 +143,11 @@ def to_generate_request(
     _check_counts(body.messages, limits)
     names = FieldNames()
     messages = [_message(m, i, names) for i, m in enumerate(body.messages)]
+    sampling = sampling_of(body, limits, names)
+    sampling.logprobs = bool(body.logprobs)
+    sampling.top_logprobs = body.top_logprobs or 0
     request = gateway_pb2.GenerateRequest(
-        messages=messages, sampling=_sampling(body, limits, names), request_id=request_id
+        messages=messages, sampling=sampling, request_id=request_id
     )
     request.tools.extend(_tool(t, i) for i, t in enumerate(body.tools or ()))
     if body.tool_choice is not None:
@@ -142,15 +155,24 @@ def to_generate_request(
     return request, names
 
 
-def _check_http_only(body: ChatCompletionRequest) -> None:
+def check_choices_and_stream(body: SamplingFields) -> None:
+    """``n`` (one choice) and ``stream_options`` (only with ``stream``)."""
     if body.n is not None and body.n != 1:
         raise invalid(f"n must be 1 (one choice per request), got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
-    if body.logprobs:
-        raise invalid("logprobs is not supported", "logprobs")
-    if body.top_logprobs:
-        raise invalid("top_logprobs is not supported", "top_logprobs")
+
+
+def _check_http_only(body: ChatCompletionRequest) -> None:
+    check_choices_and_stream(body)
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise invalid("top_logprobs is only allowed when logprobs is true", "top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
+                "top_logprobs",
+            )
 
 
 def _check_counts(messages: list[Any], limits: RequestLimits) -> None:
@@ -309,16 +331,20 @@ def image_source(url: str, where: str) -> common_pb2.ImageSource:
     raise invalid(f"{where} must be a data: URL or an http(s) URL, got {got}", where)
 
 
-def _sampling(
-    body: ChatCompletionRequest, limits: RequestLimits, names: FieldNames
+def sampling_of(
+    body: SamplingFields, limits: RequestLimits, names: FieldNames, default_max_tokens: int = 0
 ) -> common_pb2.SamplingParams:
+    """The sampling fields chat and legacy completions share (``default_max_tokens`` when
+    ``max_tokens`` is missing; 0 = the gateway's default)."""
     s = common_pb2.SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         ignore_eos=bool(body.ignore_eos),
     )
     name, value = "max_tokens", body.max_tokens
-    if body.max_completion_tokens is not None:
+    if value is None and default_max_tokens:
+        value = default_max_tokens
+    if getattr(body, "max_completion_tokens", None) is not None:
         name, value = "max_completion_tokens", body.max_completion_tokens
     names.max_tokens_name = name
     if value is not None:

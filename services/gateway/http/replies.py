@@ -6,6 +6,13 @@ the text the language worker produced (chunks with no text are skipped), the las
 finish reason; with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one
 more chunk with no choices carries the usage. The stream ends with ``data: [DONE]``; an error
 after the stream began is one ``data: {"error": ...}`` event before it.
+
+Log-probabilities (``logprobs: true``) follow the tokens, one entry per generated token (the
+end-of-turn token and the tokens that completed a stop string included, though their text is
+not in the content), so their count is ``usage.completion_tokens``. A streamed delta carries the
+entries of the tokens that arrived since the previous delta: text the worker holds back (a
+possible stop string, part of a character) delays the entries with it, and the finish delta
+carries what is left.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import json
 from dataclasses import dataclass
 
 from protos.epd.v1 import common_pb2, gateway_pb2
+from services.gateway.http.logprobs import chat_logprobs
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -67,8 +75,13 @@ def tool_call(call: common_pb2.ToolCall) -> dict:
 
 
 def completion(
-    head: Head, text: str, final: gateway_pb2.GenerateChunk, calls: list | None = None
+    head: Head,
+    text: str,
+    final: gateway_pb2.GenerateChunk,
+    logprobs: list[common_pb2.TokenLogprob] | None = None,
+    calls: list[common_pb2.ToolCall] | None = None,
 ) -> dict:
+    """The ``chat.completion`` object; ``logprobs`` None when not asked for."""
     message: dict = {"role": "assistant", "content": text or (None if calls else "")}
     if calls:
         message["tool_calls"] = [tool_call(c) for c in calls]
@@ -81,7 +94,7 @@ def completion(
             {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
                 "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
             }
         ],
@@ -90,45 +103,110 @@ def completion(
     }
 
 
-class ChunkWriter:
-    """The events of one streamed answer."""
+class StreamWriter:
+    """What every answer's events share: each is an object of ``object_name`` with one choice
+    (or, for the usage, none); log-probability entries wait for the next choice that carries
+    text, or for the finish. Subclasses say what a choice holds and what comes first."""
+
+    object_name = ""
+    usage_event = True  # the usage's own event after the finish (with ``include_usage``)
 
     def __init__(self, head: Head, include_usage: bool) -> None:
         self.head = head
         self.include_usage = include_usage
         self._started = False
-        self._num_calls = 0  # tool calls streamed so far (each delta's "index")
+        self._pending: list[common_pb2.TokenLogprob] = []  # entries not sent yet
 
-    def _chunk(self, choices: list, **extra) -> bytes:
+    def envelope(self, object_name: str, choices: list, **extra) -> dict:
         obj = {
             "id": self.head.id,
-            "object": "chat.completion.chunk",
+            "object": object_name,
             "created": self.head.created,
             "model": self.head.model,
             "choices": choices,
         }
-        if self.include_usage:
-            obj["usage"] = None
-        obj.update(extra)
-        return event(obj)
+        return obj | extra
 
-    def _delta(self, delta: dict, finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._chunk([choice])
+    def stream_event(self, choices: list, **extra) -> bytes:
+        nulls = {"usage": None} if self.include_usage else {}
+        return event(self.envelope(self.object_name, choices, **(nulls | extra)))
+
+    def _start(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
+        """The events before the first text (none by default)."""
+        return b""
+
+    def _entries(self, chunk: gateway_pb2.GenerateChunk) -> list[common_pb2.TokenLogprob]:
+        """The log-probability entries of ``chunk`` the answer shows."""
+        return list(chunk.logprobs)
+
+    def _choice(self, text: str, entries: list, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def _tool_calls(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
+        """The events of the tool calls ``chunk`` completed (none by default)."""
+        return b""
 
     def write(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
         """The events of one chunk from the gateway (possibly none)."""
         out = b""
         if not self._started:
             self._started = True
-            out += self._delta({"role": "assistant", "content": ""})
+            out += self._start(chunk)
+        self._pending += self._entries(chunk)
         if chunk.text:
-            out += self._delta({"content": chunk.text})
-        for call in chunk.tool_calls:
-            out += self._delta({"tool_calls": [{"index": self._num_calls, **tool_call(call)}]})
-            self._num_calls += 1
+            out += self.stream_event([self._choice(chunk.text, self._take(), None)])
+        out += self._tool_calls(chunk)
         if chunk.finish_reason:
-            out += self._delta({}, FINISH_REASONS.get(chunk.finish_reason, "stop"))
-            if self.include_usage:
-                out += self._chunk([], usage=usage(chunk.usage))
+            reason = FINISH_REASONS.get(chunk.finish_reason, "stop")
+            out += self.stream_event([self._choice("", self._take(), reason)])
+            if self.include_usage and self.usage_event:
+                out += self.stream_event([], usage=usage(chunk.usage))
         return out
+
+    def _take(self) -> list[common_pb2.TokenLogprob]:
+        taken, self._pending = self._pending, []
+        return taken
+
+
+class ChunkWriter(StreamWriter):
+    """One chat answer: its events when streamed (``write``), its object when not (``unary``)."""
+
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, head: Head, include_usage: bool, logprobs: bool = False) -> None:
+        super().__init__(head, include_usage)
+        self.logprobs = logprobs
+        self._num_calls = 0  # tool calls streamed so far (each delta's "index")
+
+    def unary(self, chunks: list[gateway_pb2.GenerateChunk]) -> dict:
+        """The ``chat.completion`` of all of an answer's chunks (the last one final)."""
+        text = "".join(c.text for c in chunks)
+        entries = [lp for c in chunks for lp in c.logprobs] if self.logprobs else None
+        calls = [call for c in chunks for call in c.tool_calls]
+        return completion(self.head, text, chunks[-1], entries, calls)
+
+    def _start(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
+        delta = {"role": "assistant", "content": ""}
+        return self.stream_event(
+            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
+
+    def _entries(self, chunk: gateway_pb2.GenerateChunk) -> list[common_pb2.TokenLogprob]:
+        return list(chunk.logprobs) if self.logprobs else []
+
+    def _tool_calls(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
+        out = b""
+        for call in chunk.tool_calls:
+            delta = {"tool_calls": [{"index": self._num_calls, **tool_call(call)}]}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            out += self.stream_event([choice])
+            self._num_calls += 1
+        return out
+
+    def _choice(self, text: str, entries: list, finish_reason: str | None) -> dict:
+        return {
+            "index": 0,
+            "delta": {"content": text} if text else {},
+            "logprobs": chat_logprobs(entries) if entries else None,
+            "finish_reason": finish_reason,
+        }

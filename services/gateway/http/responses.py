@@ -1,4 +1,6 @@
-"""The ASGI response of one chat completion: JSON or Server-Sent Events, watching the client.
+"""The ASGI response of one completion (chat or legacy): JSON or Server-Sent Events, watching
+the client. What the JSON and the events hold is the ``AnswerWriter``'s (``replies.py`` for chat,
+``completions.py`` for legacy completions).
 
 While the answer is produced, a watcher task reads the connection's ASGI events; when the
 client disconnects (``http.disconnect``) it closes the ``ChunkPump``, which cancels the request
@@ -13,17 +15,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from protos.epd.v1 import gateway_pb2
 from services.gateway.errors import GatewayError
 from services.gateway.http.bridge import ChunkPump, Closed
 from services.gateway.http.convert import FieldNames
 from services.gateway.http.errors import HttpError, from_gateway
-from services.gateway.http.replies import DONE, ChunkWriter, Head, completion, dumps, event
+from services.gateway.http.replies import DONE, dumps, event
 
 log = logging.getLogger(__name__)
+
+
+class AnswerWriter(Protocol):
+    """One answer's shapes: its object when not streamed, its events when streamed."""
+
+    def unary(self, chunks: list[gateway_pb2.GenerateChunk]) -> dict:
+        """The answer's object from all of its chunks (the last one final)."""
+        ...
+
+    def write(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
+        """The events of one more chunk (possibly none)."""
+        ...
+
+
 JSON_TYPE = (b"content-type", b"application/json")
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -41,28 +59,26 @@ async def _watch(receive: Receive, pump: ChunkPump) -> None:
 
 
 def _internal(exc: BaseException) -> HttpError:
-    log.exception("chat completion failed", exc_info=exc)
+    log.exception("completion failed", exc_info=exc)
     return HttpError(500, "internal error", "server_error", None, "internal")
 
 
-class ChatResponse(Response):
-    """One chat completion's answer (an ASGI app, returned by the endpoint)."""
+class AnswerResponse(Response):
+    """One completion's answer (an ASGI app, returned by the endpoint)."""
 
     def __init__(
         self,
         pump: ChunkPump,
-        head: Head,
+        writer: AnswerWriter,
         names: FieldNames,
         stream: bool,
-        include_usage: bool = False,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__()  # status and headers are sent by __call__ itself
         self.pump = pump
-        self.head = head
+        self.writer = writer
         self.names = names
         self.stream = stream
-        self.include_usage = include_usage
         self.extra_headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -88,11 +104,10 @@ class ChatResponse(Response):
         await self._send(send, error.status, headers, error.encoded())
 
     async def _unary(self, send: Send) -> None:
-        texts, calls, final = [], [], None
+        chunks, final = [], None
         try:
             while (chunk := await self.pump.next()) is not None:
-                texts.append(chunk.text)
-                calls.extend(chunk.tool_calls)
+                chunks.append(chunk)
                 if chunk.finish_reason:
                     final = chunk
         except GatewayError as exc:
@@ -103,7 +118,7 @@ class ChatResponse(Response):
             return await self._error(send, _internal(exc))
         if final is None:
             return await self._error(send, _internal(RuntimeError("answer without an end")))
-        body = dumps(completion(self.head, "".join(texts), final, calls))
+        body = dumps(self.writer.unary(chunks))
         await self._send(send, 200, [JSON_TYPE, *self.extra_headers], body)
 
     async def _stream(self, send: Send) -> None:
@@ -117,7 +132,7 @@ class ChatResponse(Response):
             return await self._error(send, _internal(exc))
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*SSE_HEADERS, *self.extra_headers]})  # fmt: skip
-        writer = ChunkWriter(self.head, self.include_usage)
+        writer = self.writer
         tail = DONE
         try:
             while chunk is not None:

@@ -24,9 +24,10 @@ from common.sampling_bounds import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_REPETITION_PENALTY,
 )
-from services.gateway.validation import MAX_TEMPERATURE
+from services.gateway.validation import MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 
 MAX_SEED = (1 << 64) - 1
+MAX_LEGACY_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI's API bounds it
 
 # ---- requests ----------------------------------------------------------------------------
 
@@ -122,18 +123,14 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions``. Omitted sampling fields take OpenAI's defaults
-    (temperature 1, top_p 1); ``temperature: 0`` is greedy decoding."""
+class SamplingFields(BaseModel):
+    """The fields chat and legacy completions share: the model, sampling, structured output
+    and streaming."""
 
     model_config = ConfigDict(extra="allow")  # vLLM's older guided_* fields among them
 
-    messages: Annotated[list[Any], WithJsonSchema(MESSAGES_SCHEMA)]
     model: str | None = Field(None, description="the served model ('' or omitted: that one)")
     max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
-    max_completion_tokens: int | None = Field(
-        None, description="wins over max_tokens", json_schema_extra={"minimum": 1}
-    )
     temperature: float | None = Field(
         None,
         description="0 = greedy; otherwise at least 0.01",
@@ -194,15 +191,6 @@ class ChatCompletionRequest(BaseModel):
         description="extension: EOS and stop_token_ids are masked until this many tokens",
         json_schema_extra={"minimum": 0},
     )
-    # Accepted for compatibility; refused unless they ask for nothing this server cannot do.
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = Field(
-        None, description="functions the model may call ({type: function, function: {...}})"
-    )
-    tool_choice: str | dict[str, Any] | None = Field(
-        None, description="auto, none, required, or {type: function, function: {name}}"
-    )
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object, or json_schema (structured output)"
     )
@@ -211,6 +199,66 @@ class ChatCompletionRequest(BaseModel):
     # (``structured.py``) but left out of the published schema: they are deprecated there.
     structured_outputs: StructuredOutputs | None = Field(
         None, description="extension: exactly one of json, regex, choice, grammar, json_object"
+    )
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``. Omitted sampling fields take OpenAI's defaults
+    (temperature 1, top_p 1); ``temperature: 0`` is greedy decoding."""
+
+    messages: Annotated[list[Any], WithJsonSchema(MESSAGES_SCHEMA)]
+    max_completion_tokens: int | None = Field(
+        None, description="wins over max_tokens", json_schema_extra={"minimum": 1}
+    )
+    logprobs: bool | None = Field(None, description="each generated token's log-probability")
+    top_logprobs: int | None = Field(
+        None,
+        description="and this many most likely tokens at each step (needs logprobs: true)",
+        json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="functions the model may call ({type: function, function: {...}})"
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="auto, none, required, or {type: function, function: {name}}"
+    )
+
+
+TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        TOKEN_IDS,
+        {
+            "type": "array",
+            "items": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS]},
+            "minItems": 1,
+        },
+    ],
+    "description": "text (tokenized without a chat template) or token ids, or a list of such "
+    "prompts (one choice each)",
+}
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions`` (OpenAI's legacy completions): a raw prompt, no chat template.
+    ``max_tokens`` defaults to 16 as in OpenAI's API."""
+
+    prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
+    echo: bool | None = Field(None, description="the prompt precedes the completion in text")
+    logprobs: int | None = Field(
+        None,
+        description="each token's log-probability and this many most likely tokens",
+        json_schema_extra={"minimum": 0, "maximum": MAX_LEGACY_LOGPROBS},
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        description="extension (vLLM): each prompt token's log-probability and this many top ones",
+        json_schema_extra={"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    )
+    suffix: str | None = Field(None, description="not supported (400)")
+    best_of: int | None = Field(
+        None, description="only 1", json_schema_extra={"minimum": 1, "maximum": 1}
     )
 
 
@@ -248,11 +296,28 @@ class AssistantMessage(BaseModel):
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
+class TopLogprobEntry(BaseModel):
+    token: str  # the token decoded alone (U+FFFD for part of a UTF-8 character)
+    logprob: float
+    bytes: list[int]  # the token's own bytes
+
+
+class LogprobEntry(TopLogprobEntry):
+    top_logprobs: list[TopLogprobEntry]  # most likely first
+
+
+class ChoiceLogprobs(BaseModel):
+    """One entry per generated token (see ``replies.py``)."""
+
+    content: list[LogprobEntry] | None
+    refusal: None = None
+
+
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -279,7 +344,7 @@ class ChunkChoice(BaseModel):
     index: int
     delta: Delta
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -291,6 +356,30 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    # {"tokens", "token_logprobs", "top_logprobs", "text_offset"} with ``logprobs``
+    logprobs: dict[str, list[Any]] | None = None
+    # with ``prompt_logprobs``: null for the first prompt token, then {token id: {"logprob",
+    # "decoded_token", "rank" where known}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+
+class TextCompletion(BaseModel):
+    """The answer of ``POST /v1/completions``; streamed, each event is one with ``object``
+    ``text_completion`` and the choice's text delta."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: None = None
 
 
 class Model(BaseModel):
@@ -350,3 +439,29 @@ CHAT_EVENT = {
         "event": {"const": "message"},
     },
 }
+
+
+def _event_schema(chunk_schema: str) -> dict:
+    """One Server-Sent Event of a streamed answer whose data is a ``chunk_schema``."""
+    data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {
+            "anyOf": [
+                {"$ref": f"#/components/schemas/{chunk_schema}"},
+                {"$ref": "#/components/schemas/ErrorResponse"},
+            ]
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"anyOf": [{"const": "[DONE]"}, data]},
+            "event": {"const": "message"},
+        },
+    }
+
+
+# A streamed legacy completion's events: each data is a TextCompletion (a text delta).
+COMPLETION_EVENT = _event_schema("TextCompletion")

@@ -40,9 +40,12 @@ class CacheManager:
         return self.allocator.alloc(num_tokens)
 
     def admit(self, req: Request) -> None:
-        """Match the radix cache and lock the hit; at least one token is left to compute."""
+        """Match the radix cache and lock the hit; at least one token is left to compute.
+        A request that still gathers prompt log-probabilities matches nothing: it computes
+        every prompt row itself."""
         key = req.radix_key()
-        match = self.cache.match_prefix(key[: len(key) - 1])
+        num_key = 0 if req.wants_prompt_logprobs else len(key) - 1
+        match = self.cache.match_prefix(key[:num_key])
         self.cache.lock(match.node)
         req.tree_node, req.num_tree = match.node, match.num_matched
         req.slots, req.num_computed = match.slots.clone(), match.num_matched

@@ -33,8 +33,9 @@ from services.language.engine.request import (
     RequestOutput,
     RequestStatus,
 )
-from services.language.engine.sampling import SamplingParams, sample, token_logprob
+from services.language.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprob
 from services.language.engine.scheduler import Scheduler
+from services.language.engine.token_text import TokenTexts
 from services.language.image_identity import image_keys, images_within
 from services.language.inputs import PromptChunk, PromptInputs
 from services.language.kvcache.pool import KVPool, SlotAllocator, slot_bytes
@@ -59,6 +60,7 @@ class LanguageEngine:
         self.model_config = mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, list(mc.eos_token_ids))
+        self.token_texts = TokenTexts(self.tokenizer)  # of the ids logprobs report
         per_slot = slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.kv_plan = plan = plan_kv_pool(config, per_slot, self.device)  # after the weights
         kv_pool = KVPool(
@@ -94,6 +96,21 @@ class LanguageEngine:
         )
         ids = self.tokenizer(text).input_ids
         return PromptInputs.from_text_ids(ids, self.model_config.hidden_size)
+
+    def tokenize_prompt(self, text: str) -> PromptInputs:
+        """A raw text prompt, tokenized as it is (no chat template)."""
+        if not text:
+            raise ValueError("prompt_text is empty")
+        ids = self.tokenizer(text).input_ids
+        return PromptInputs.from_text_ids(ids, self.model_config.hidden_size)
+
+    def prompt_of_ids(self, token_ids: list[int]) -> PromptInputs:
+        """A prompt of token ids as they are; each must be in the vocabulary."""
+        vocab = self.limits.vocab_size
+        for i, token_id in enumerate(token_ids):
+            if not 0 <= token_id < vocab:
+                raise ValueError(f"prompt_token_ids[{i}] must be in [0, {vocab}), got {token_id}")
+        return PromptInputs.from_text_ids(list(token_ids), self.model_config.hidden_size)
 
     def add_request(
         self,
@@ -276,6 +293,8 @@ class LanguageEngine:
             self._fail(c.req, ErrorKind.FAILED, f"building its inputs failed: {exc}")
             for c, exc in result.failed
         ]
+        for req, entries in result.prompt_logprobs:
+            req.prompt_logprobs += entries
         sampled = [c for c in result.chunks if c.sample]
         tokens: list[int | Exception] = []
         if sampled:
@@ -297,8 +316,10 @@ class LanguageEngine:
                     self.cache_manager.cache_prefix(req)
                 out = self._append_token(req, token)
                 if req.params.wants_logprobs:
-                    logits = result.logits[row]
-                    out.logprobs = [token_logprob(logits, token, req.params.top_logprobs)]
+                    lp = token_logprob(result.logits[row], token, req.params.top_logprobs)
+                    out.logprobs = [self.token_texts.label(lp)]
+                if len(req.output_ids) == 1 and req.params.prompt_logprobs is not None:
+                    out.prompt_logprobs = self._prompt_logprobs(req)
                 outputs.append(out)
             except Exception as exc:  # e.g. the tokenizer rejects the token: this request only
                 logger.exception("request %s failed after sampling", req.request_id)
@@ -312,6 +333,11 @@ class LanguageEngine:
         stay the model's)."""
         guided = [(row, c.req.guide) for row, c in enumerate(sampled) if c.req.guide is not None]
         return apply_masks(logits, [row for row, _ in guided], [g for _, g in guided], owned)
+
+    def _prompt_logprobs(self, req: Request) -> list[TokenLogprob]:
+        """Every prompt token's entry, the first one's without a logprob (NaN)."""
+        first = TokenLogprob(int(req.inputs.fill_ids[0]), float("nan"), [])
+        return [self.token_texts.label(lp) for lp in [first, *req.prompt_logprobs]]
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         if not req.first_token_time:

@@ -6,6 +6,12 @@ step of a small model. Prefill chunks follow; each one's inputs are gathered on 
 chunk whose inputs cannot be built (a bad prompt) is left out of the batch and reported in
 ``RunResult.failed``, so it fails its request alone. An exception from the forward itself
 (device, model) propagates: the whole batch failed.
+
+A prefill chunk of a request that asks for prompt log-probabilities needs the logits of its
+prompt rows, not only of its last: the forward then returns every row's hidden states, and the
+LM head and log-softmax run over those rows ``PROMPT_LOGPROB_ROWS`` at a time, so memory stays
+``[PROMPT_LOGPROB_ROWS, vocab]`` however long the chunk. Row ``s`` of the sequence gives the
+log-probability of prompt token ``s + 1``.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.language.engine.request import Request
+from services.language.engine.sampling import PROMPT_LOGPROB_ROWS, TokenLogprob, token_logprobs
 from services.language.engine.scheduler import ScheduledChunk
 from services.language.kvcache.pool import KVPool
 from services.language.model.batch import DecodeGroup, ExtendSegment, ForwardBatch
@@ -39,6 +47,8 @@ class RunResult:
     # sampler moves to the CPU only what it needs (token ids when greedy)
     logits: torch.Tensor
     failed: list[tuple[ScheduledChunk, Exception]] = field(default_factory=list)
+    # the next prompt log-probabilities of requests that asked for them (see the module doc)
+    prompt_logprobs: list[tuple[Request, list[TokenLogprob]]] = field(default_factory=list)
 
 
 def is_decode(chunk: ScheduledChunk) -> bool:
@@ -133,5 +143,32 @@ class ModelRunner:
                 failed.append((chunk, exc))
         if not decodes and not parts:
             return RunResult([], torch.zeros(0, 0), failed)
-        logits = self.model(self.build_batch(decodes, parts), self.kv_pool)
-        return RunResult(decodes + [p.chunk for p in parts], logits, failed)
+        batch = self.build_batch(decodes, parts)
+        chunks = decodes + [p.chunk for p in parts]
+        if not any(p.chunk.req.wants_prompt_logprobs for p in parts):
+            return RunResult(chunks, self.model(batch, self.kv_pool), failed)
+        hidden = self.model.hidden_states(batch, self.kv_pool)
+        result = RunResult(chunks, self.model.head(hidden[batch.logit_rows]), failed)
+        row = len(decodes)
+        for part in parts:
+            chunk = part.chunk
+            if chunk.req.wants_prompt_logprobs:
+                rows = hidden[row : row + chunk.end - chunk.start]
+                result.prompt_logprobs.append((chunk.req, self._prompt_logprobs(chunk, rows)))
+            row += chunk.end - chunk.start
+        return result
+
+    def _prompt_logprobs(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> list[TokenLogprob]:
+        """Log-probabilities of the prompt tokens that ``chunk``'s rows ``hidden`` predict and
+        the request has not gathered yet (a recomputed chunk adds nothing twice)."""
+        req = chunk.req
+        first = max(chunk.start, len(req.prompt_logprobs))  # sequence row predicting token +1
+        last = min(chunk.end, req.prompt_len - 1)
+        targets = req.inputs.fill_ids[first + 1 : last + 1].tolist()
+        out: list[TokenLogprob] = []
+        for at in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            some = targets[at : at + PROMPT_LOGPROB_ROWS]
+            lo = first - chunk.start + at
+            logits = self.model.head(hidden[lo : lo + len(some)])
+            out += token_logprobs(logits, some, req.params.prompt_logprobs)
+        return out

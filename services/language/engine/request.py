@@ -83,6 +83,8 @@ class RequestOutput:
     error: str = ""
     error_kind: ErrorKind = ErrorKind.NONE
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token_ids, when asked
+    # with the first token only: one per prompt token when asked (the first one's logprob NaN)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -116,6 +118,9 @@ class Request:
     inputs_time: float = 0.0  # prompt complete (embeddings received, or at once for text)
     prefill_start_time: float = 0.0  # first admitted to prefill
     first_token_time: float = 0.0
+    # prompt tokens 1, 2, ...: each one's log-probability given the tokens before it, gathered
+    # while the prompt is prefilled (see ``wants_prompt_logprobs``)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def set_inputs(
         self,
@@ -141,6 +146,13 @@ class Request:
         self.prompt_key = make_key(inputs.fill_ids.numpy(), image_keys)
         if self.prompt_complete:
             self.inputs_time = time.monotonic()
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt log-probabilities are still to gather: every prompt row must then be
+        computed by this request itself, so the radix cache's prefix is not reused for it."""
+        wanted = self.params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.prompt_len - 1
 
     @property
     def prompt_len(self) -> int:

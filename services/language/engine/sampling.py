@@ -88,6 +88,9 @@ class SamplingParams:
     min_p: float = 0.0  # [0, 1]: drop tokens below min_p times the most likely one's probability
     min_tokens: int = 0  # no EOS, stop id or stop string ends it before this many tokens
     structured: StructuredOutput | None = None  # the language the output must be in
+    # each prompt token's log-probability and this many most likely tokens at its position;
+    # None = none (see ``Request.wants_prompt_logprobs``)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -107,6 +110,10 @@ class SamplingParams:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
             )
         self._check_controls()
 
@@ -269,20 +276,52 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int | Excep
     return out
 
 
-class TokenLogprob(NamedTuple):
-    """A generated token's log-probability and its step's ``top`` most likely tokens."""
+class TopLogprob(NamedTuple):
+    """One of a step's most likely tokens."""
 
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+    token: str = ""  # its text and bytes (``token_text.py``), filled in by the engine
+    token_bytes: bytes = b""
+
+
+class TokenLogprob(NamedTuple):
+    """A token's log-probability and its step's ``top`` most likely tokens."""
+
+    token_id: int
+    logprob: float  # NaN for a prompt's first token (nothing precedes it)
+    top: list[TopLogprob]  # most likely first
+    token: str = ""  # its text and bytes (``token_text.py``), filled in by the engine
+    token_bytes: bytes = b""
 
 
 def token_logprob(row: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
     """Log-probabilities of the model's distribution at one step (log-softmax of the logits in
     float32, before temperature, top-k and top-p: what was computed, not how it was drawn)."""
-    logprobs = torch.log_softmax(row.float().cpu(), dim=-1)
-    top: list[tuple[int, float]] = []
-    if num_top:
-        values, ids = torch.topk(logprobs, min(num_top, logprobs.shape[0]))
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token, float(logprobs[token]), top)
+    return token_logprobs(row[None], [token], num_top)[0]
+
+
+PROMPT_LOGPROB_ROWS = 64  # rows log-softmaxed at once: [64, vocab] float32 (39 MB at 152k)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprob]:
+    """``token_logprob`` of each row of ``logits`` [n, vocab] and its token ``tokens[i]``,
+    ``PROMPT_LOGPROB_ROWS`` rows at a time so that memory stays bounded for a long prompt."""
+    out: list[TokenLogprob] = []
+    num_top = min(num_top, logits.shape[-1])
+    for start in range(0, len(tokens), PROMPT_LOGPROB_ROWS):
+        rows = logits[start : start + PROMPT_LOGPROB_ROWS]
+        ids = torch.tensor(tokens[start : start + PROMPT_LOGPROB_ROWS], device=rows.device)
+        logprobs = torch.log_softmax(rows.float(), dim=-1)
+        chosen = logprobs.gather(1, ids[:, None])[:, 0].cpu().tolist()
+        if num_top:
+            values, top_ids = torch.topk(logprobs, num_top, dim=-1)
+            tops = zip(top_ids.cpu().tolist(), values.cpu().tolist(), strict=True)
+        else:
+            tops = [([], [])] * len(chosen)
+        for token, logprob, (top_row, value_row) in zip(
+            tokens[start : start + PROMPT_LOGPROB_ROWS], chosen, tops, strict=True
+        ):
+            top = [TopLogprob(t, v) for t, v in zip(top_row, value_row, strict=True)]
+            out.append(TokenLogprob(token, logprob, top))
+    return out

@@ -42,6 +42,10 @@ class QwenTextModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
         """Logits [len(batch.logit_rows), vocab] of the requested rows."""
+        return self.head(self.hidden_states(batch, kv_pool)[batch.logit_rows])
+
+    def hidden_states(self, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
+        """The last decoder layer's output [T, hidden] of every row (before the final norm)."""
         hidden = self.config.hidden_size
         h, image_mask = self.embed(batch)
         cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
@@ -51,7 +55,11 @@ class QwenTextModel(nn.Module):
                 # NOTE: deepstack row i is added after decoder layer i, as in transformers.
                 extra = batch.image_rows[:, (i + 1) * hidden : (i + 2) * hidden]
                 h[image_mask] = h[image_mask] + extra.to(h.dtype)
-        h = self.norm(h[batch.logit_rows])
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] of hidden states ``h`` [n, hidden]: the final norm, the LM head."""
+        h = self.norm(h)
         if self.lm_head is None:  # tied: the embedding table is the output matrix
             return nn.functional.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)
