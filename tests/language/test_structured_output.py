@@ -198,3 +198,26 @@ def test_greedy_equals_transformers_with_the_language_enforced(harness, arch, ki
     text, outs = _run(engine, structured, prompt="describe it", max_new_tokens=40)
     assert tokens_of(outs) == expected
     assert outs[-1].finish_reason == FinishReason.STOP
+
+
+def test_with_penalties_bias_and_logprobs(engine):
+    """The controls and the language compose: a bias toward a token the language forbids does
+    not let it in, penalties change nothing about the language, log-probabilities stay the
+    model's (the chosen token's equals its entry in the top list)."""
+    digit = engine.tokenizer.convert_tokens_to_ids("7")
+    letter = engine.tokenizer.convert_tokens_to_ids("x")
+    text, outs = _run(
+        engine,
+        StructuredOutput("regex", "[0-9]{4}"),
+        logit_bias=((letter, 100.0), (digit, 5.0)),
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        repetition_penalty=1.3,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    assert re.fullmatch("[0-9]{4}", text), text
+    for out in outs:
+        for lp in out.logprobs:
+            assert lp.logprob <= 0.0
+            assert all(t != lp.token_id or v == lp.logprob for t, v in lp.top)
