@@ -220,4 +220,4 @@ def test_with_penalties_bias_and_logprobs(engine):
     for out in outs:
         for lp in out.logprobs:
             assert lp.logprob <= 0.0
-            assert all(t != lp.token_id or v == lp.logprob for t, v in lp.top)
+            assert all(t.token_id != lp.token_id or t.logprob == lp.logprob for t in lp.top)
