@@ -1,7 +1,8 @@
 """The request bodies of the peer benchmark: OpenAI chat completions, streamed, 32 tokens.
 
 Workloads: ``text`` (a ~40-token prompt), ``image`` (one fresh 448x448 PNG), ``four_images``
-(four fresh ones) and ``repeated_image`` (the same image in every request, fresh text). Every
+(four fresh ones), ``repeated_image`` (the same image in every request, fresh text) and
+``json_schema`` (``text`` whose answer must follow a JSON schema: structured output). Every
 prompt starts with a random number, and fresh images are random noise, so no prefix or image
 cache hits across requests except the repeated image's (the intended one). Images go first in
 the message (the way clients send "this picture: question"), the text after them. Bodies are
@@ -27,11 +28,22 @@ QUESTION = (
 )
 
 
+# ``json_schema``: an object with one free string, which random weights do not close within
+# MAX_TOKENS tokens, so both systems generate all of them under the grammar
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
     num_images: int
     repeated: bool = False
+    structured: bool = False  # the answer under ``JSON_SCHEMA`` (response_format)
 
 
 WORKLOADS = {
@@ -41,6 +53,7 @@ WORKLOADS = {
         Workload("image", 1),
         Workload("four_images", 4),
         Workload("repeated_image", 1, repeated=True),
+        Workload("json_schema", 0, structured=True),
     )
 }
 
@@ -90,7 +103,7 @@ def body(
         content: str | list[dict] = [*parts, {"type": "text", "text": text}]
     else:
         content = text
-    return {
+    out = {
         "model": model,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
@@ -99,6 +112,10 @@ def body(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if workload.structured:
+        schema = {"name": "answer", "schema": JSON_SCHEMA, "strict": True}
+        out["response_format"] = {"type": "json_schema", "json_schema": schema}
+    return out
 
 
 def bodies(

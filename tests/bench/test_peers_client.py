@@ -89,6 +89,16 @@ def test_fresh_images_and_prompts_differ_across_requests() -> None:
     assert a != b
 
 
+def test_json_schema_asks_for_the_schema_and_only_it_does() -> None:
+    (body,) = make("json_schema", 1)
+    fmt = body["response_format"]
+    assert fmt["type"] == "json_schema" and fmt["json_schema"]["strict"] is True
+    assert fmt["json_schema"]["schema"] == workloads.JSON_SCHEMA
+    assert isinstance(body["messages"][0]["content"], str)
+    assert all("response_format" not in make(n, 1)[0] for n in workloads.WORKLOADS
+               if n != "json_schema")  # fmt: skip
+
+
 def test_repeated_image_is_the_same_with_fresh_text() -> None:
     first, second = make("repeated_image", 2)
     (third,) = make("repeated_image", 1, seed=7)
