@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.http.conftest import ARCH, image_message
+from tests.http.conftest import image_message
 
 SCHEMA = {
     "type": "object",
@@ -31,16 +31,6 @@ RESPONSE_FORMAT = {
     "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True},
 }
 REGEX = r"[0-9]{3}-[a-z]{2}"
-
-
-@pytest.fixture(scope="module")
-def client(http_stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=http_stack.http_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
-    return tiny_model_dir(ARCH).name
 
 
 def _ask(client, model, content="Describe a thing.", **kw):

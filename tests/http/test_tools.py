@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.http.conftest import ARCH, image_message
+from tests.http.conftest import image_message
 
 PARAMETERS = {
     "type": "object",
@@ -32,16 +32,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
                                                                           "properties": {}}}},
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def client(http_stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=http_stack.http_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
-    return tiny_model_dir(ARCH).name
 
 
 def _messages(text: str = "Weather in Paris?") -> list[dict]:
