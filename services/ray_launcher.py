@@ -8,15 +8,81 @@ worker registers again and the gateway takes it back. Resources per role are fla
 (``--encoder-gpus`` etc.). On an existing cluster (``--address``) the actors are detached and
 named in the ``epd`` namespace, so they outlive this command; locally the command keeps the
 cluster up until Ctrl-C (``--once``: send the demo request, then tear everything down).
+
+Placement: a local cluster gets as many logical CPUs as the actors ask for when the machine has
+fewer (Ray's CPUs are scheduling slots; the roles' compute threads are set on their own), so the
+defaults start on any machine. While actors are not ready, every ``PLACEMENT_REPORT_S`` their
+requests are checked against the cluster's nodes: what cannot be placed is reported with what
+it asks for and what the cluster has, and a local cluster fails the command at once instead of
+waiting (an existing cluster keeps waiting: its autoscaler may add nodes).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
+from dataclasses import dataclass
 
 NAMESPACE = "epd"
+GATEWAY_CPUS = 0.1
+PLACEMENT_REPORT_S = 5.0  # an actor not placed by then is reported, and again this often
+
+
+@dataclass(frozen=True)
+class Need:
+    """One actor and the resources it asks Ray for."""
+
+    name: str
+    cpus: float
+    gpus: float
+
+    def fits(self, resources: dict) -> bool:
+        # NOTE: a small tolerance: Ray keeps fractional resources in fixed point
+        return (
+            resources.get("CPU", 0.0) + 1e-6 >= self.cpus
+            and resources.get("GPU", 0.0) + 1e-6 >= self.gpus
+        )
+
+    def describe(self) -> str:
+        gpus = f", {self.gpus:g} GPU" if self.gpus else ""
+        return f"{self.name} ({self.cpus:g} CPU{gpus})"
+
+
+def local_cpus(args: argparse.Namespace, machine_cpus: int) -> int:
+    """Logical CPUs of a local cluster: ``--num-cpus``, else enough for every actor (at least
+    the machine's)."""
+    if args.num_cpus is not None:
+        return args.num_cpus
+    asked = (
+        args.gateways * GATEWAY_CPUS
+        + args.encoders * args.encoder_cpus
+        + args.languages * args.language_cpus
+    )
+    return max(machine_cpus, math.ceil(asked - 1e-9))
+
+
+def placement_problem(needs: list[Need], nodes: list[dict]) -> tuple[str, bool]:
+    """Why some of ``needs`` (every actor this command started) cannot all be placed on
+    ``nodes`` (each node's total resources), or "" when they fit; and whether it is for good
+    (an actor larger than any node, or more than all nodes together: only more nodes help)."""
+    total = {k: sum(n.get(k, 0.0) for n in nodes) for k in ("CPU", "GPU")}
+    too_big = [n for n in needs if not any(n.fits(node) for node in nodes)]
+    asked = Need("all", sum(n.cpus for n in needs), sum(n.gpus for n in needs))
+    if not too_big and asked.fits(total):
+        return "", False
+    have = f"{total['CPU']:g} CPU and {total['GPU']:g} GPU on {len(nodes)} node(s)"
+    if too_big:
+        what = f"{', '.join(n.describe() for n in too_big)} larger than any node"
+    else:
+        what = f"the actors ask for {asked.cpus:g} CPU and {asked.gpus:g} GPU in all"
+    message = (
+        f"cannot place every actor: {what}; the cluster has {have}. Lower --encoder-cpus / "
+        "--language-cpus (or the GPUs), or give the cluster more (--num-cpus locally, more "
+        "nodes on a cluster)"
+    )
+    return message, True
 
 
 class ServiceActor:
@@ -89,7 +155,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-restarts", type=int, default=3, help="restarts of a dead actor (-1: forever)"
     )
-    parser.add_argument("--num-cpus", type=int, default=None, help="local cluster only")
+    parser.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="logical CPUs of the local cluster (default: enough for every actor, at least "
+        "the machine's)",
+    )
     parser.add_argument("--once", action="store_true", help="send the demo request, then stop")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
 
@@ -106,6 +178,32 @@ def _actor_options(args, role: str, cpus: float, gpus: float, index: int) -> dic
     return options
 
 
+def _placed_results(ray, refs: list, needs: list[Need], args, on_cluster: bool) -> list:
+    """``ray.get(refs)`` within ``--startup-timeout``. While some are not ready, every
+    ``PLACEMENT_REPORT_S`` the actors started so far (``needs``) are checked against the
+    cluster's nodes: what cannot be placed is reported, and locally ends the command at once
+    (``SystemExit`` with the reason); on a cluster it waits (an autoscaler may add nodes)."""
+    deadline = time.monotonic() + args.startup_timeout
+    pending = set(refs)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SystemExit(f"{len(pending)} actor(s) not started within --startup-timeout "
+                             f"{args.startup_timeout:g} s")  # fmt: skip
+        ready, _ = ray.wait(list(pending), num_returns=len(pending),
+                            timeout=min(PLACEMENT_REPORT_S, left))  # fmt: skip
+        pending -= set(ready)
+        if not pending:
+            break
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        message, for_good = placement_problem(needs, nodes)
+        if message:
+            print(message, flush=True)
+            if for_good and not on_cluster:
+                raise SystemExit(message)
+    return ray.get(refs)
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
 
@@ -119,8 +217,12 @@ def run(args: argparse.Namespace) -> int:
     if args.address:
         ray.init(address=args.address, namespace=NAMESPACE, runtime_env=runtime_env)
     else:
+        num_cpus = local_cpus(args, os.cpu_count() or 1)
+        if num_cpus > (os.cpu_count() or 1) and args.num_cpus is None:
+            print(f"local Ray cluster: {num_cpus} logical CPUs for the actors on a "
+                  f"{os.cpu_count()}-CPU machine", flush=True)  # fmt: skip
         ray.init(
-            num_cpus=args.num_cpus,
+            num_cpus=num_cpus,
             include_dashboard=False,
             namespace=NAMESPACE,
             object_store_memory=256 << 20,
@@ -129,16 +231,18 @@ def run(args: argparse.Namespace) -> int:
     on_cluster = bool(args.address)
     actor_cls = ray.remote(ServiceActor)
     actors = []
+    needs: list[Need] = []
     try:
         for i in range(args.gateways):
             first = i == 0
             ports = (args.gateway_port, args.registry_port) if first else (0, 0)
             argv = ["--port", str(ports[0]), "--registry-port", str(ports[1])]
-            options = _actor_options(args, "gateway", 0.1, 0, i)
+            options = _actor_options(args, "gateway", GATEWAY_CPUS, 0, i)
             actors.append(actor_cls.options(**options).remote("gateway", argv, on_cluster))
+            needs.append(Need(f"gateway-{i}", GATEWAY_CPUS, 0.0))
         gateways = actors[: args.gateways]
-        gateway_addresses = ray.get(
-            [g.address.remote() for g in gateways], timeout=args.startup_timeout
+        gateway_addresses = _placed_results(
+            ray, [g.address.remote() for g in gateways], needs, args, on_cluster
         )
         registry_addresses = ray.get(
             [g.registry_address.remote() for g in gateways], timeout=args.startup_timeout
@@ -159,8 +263,11 @@ def run(args: argparse.Namespace) -> int:
                         role, worker_argv, on_cluster
                     )
                 )
+                needs.append(Need(f"{role}-{i}", cpus, gpus))
         workers = actors[args.gateways :]
-        addresses = ray.get([a.address.remote() for a in workers], timeout=args.startup_timeout)
+        addresses = _placed_results(
+            ray, [a.address.remote() for a in workers], needs, args, on_cluster
+        )
         print("workers: " + ", ".join(addresses), flush=True)
         for registry_address in registry_addresses:
             wait_for_workers(registry_address, args.encoders, args.languages, args.startup_timeout)
