@@ -127,6 +127,44 @@ def test_abort_of_a_request_with_choices_frees_every_slot_and_lock(harness):
     assert_nothing_held(engine)
 
 
+def test_a_failing_choice_ends_every_choice_and_frees_everything(harness):
+    h = harness(ARCHS[0])
+    case = h.case(PROMPT, [make_image(64, 48, 5)], 1)
+    engine = h.engine()
+    engine.add_request("bad", SamplingParams(n=3, temperature=1.0, max_new_tokens=40), case.inputs)
+    for _ in range(4):  # every choice decoding
+        engine.step()
+    assert all(c.status == RequestStatus.DECODE for c in engine.choices["bad"])
+
+    def broken(row):
+        raise RuntimeError("sampler state corrupted")
+
+    engine.choices["bad"][1].sampler.sample = broken
+    finals = [o for o in engine.step() if o.finished]
+    assert sorted(o.index for o in finals) == [0, 1, 2]
+    assert all(o.finish_reason == FinishReason.ERROR for o in finals)
+    assert all("sampling failed: sampler state corrupted" in o.error for o in finals)
+    assert [o.ends_request for o in finals] == [False, False, True]
+    assert not engine.has_work()
+    assert_nothing_held(engine)
+
+
+def test_choices_of_a_received_prompt_share_its_rows_and_prompt_logprobs(harness):
+    h = harness(ARCHS[0])
+    case = h.case(PROMPT, [make_image(64, 48, 6)], 8)
+    engine = h.engine()
+    engine.add_request("room", SamplingParams(n=2, max_new_tokens=8), room=41)
+    assert engine.deliver_inputs(41, case.inputs) == []
+    choices = by_choice(run_to_completion(engine)["room"])
+    assert [tokens_of(choices[i]) for i in (0, 1)] == [case.expected] * 2
+    text = h.case("a plain prompt", [], 1)
+    logged = run_choices(engine, text.inputs, "logged", n=2, prompt_logprobs=1, max_new_tokens=2)
+    firsts = [outs[0].prompt_logprobs for outs in logged.values()]
+    assert len(firsts[0]) == len(text.inputs)
+    assert firsts[0][1:] == firsts[1][1:]  # (the first entry's logprob is NaN in both)
+    assert_nothing_held(engine)
+
+
 def test_n_is_bounded():
     with pytest.raises(ValueError, match=r"n must be in \[1, 16\], got 17"):
         SamplingParams(n=17)
