@@ -2,7 +2,8 @@
 
 Greedy choices all equal transformers' tokens; the prompt (and its image rows) is computed once;
 a seed gives choice i the stream of seed + i, the same on every run; each choice has its own
-grammar guide and penalty history; an abort ends every choice and frees every slot and lock.
+grammar guide and penalty history; a choice preempted for slots recomputes and still agrees; an
+abort or a failure ends every choice and frees every slot and lock.
 """
 
 from __future__ import annotations
@@ -124,6 +125,17 @@ def test_abort_of_a_request_with_choices_frees_every_slot_and_lock(harness):
     assert all(o.finish_reason == FinishReason.ABORT for o in outs)
     assert [o.ends_request for o in outs] == [False, False, True]
     assert not engine.has_work()
+    assert_nothing_held(engine)
+
+
+def test_choices_preempted_for_slots_still_equal_the_reference(harness):
+    h = harness(ARCHS[0])
+    case = h.case(PROMPT, [make_image(64, 48, 1)], 24)
+    # room for the prompt and one choice's tokens, not for three: some choice is preempted
+    engine = h.engine(num_kv_slots=len(case.inputs) + 24 + 30, chunk_size=16)
+    choices = run_choices(engine, case.inputs, "tight", n=3, max_new_tokens=24)
+    assert engine.scheduler.num_preemptions > 0
+    assert [tokens_of(choices[i]) for i in range(3)] == [case.expected] * 3
     assert_nothing_held(engine)
 
 
