@@ -90,13 +90,16 @@ class FrontDoor:
         terminal status. ``timeout_s``: the seconds the caller gives it (None: the default)."""
         outcome: str | None = None
         ttft_s: float | None = None
-        finished = False  # the final chunk was handed to the caller
+        finished = False  # every choice's final chunk was handed to the caller
+        num_left = max(1, request.sampling.n)  # choices not finished yet
         stream = self.orchestrator.run(request, admitted, self.deadline(admitted, timeout_s))
         try:
             for chunk in stream:
                 if ttft_s is None and chunk.token_ids:
                     ttft_s = time.monotonic() - admitted.admitted_at
                 if chunk.finish_reason:
+                    num_left -= 1
+                if chunk.finish_reason and not num_left:
                     finished = True
                     admitted.close()  # an Abort from now on finds nothing to abort
                     self.admission.finish(admitted)

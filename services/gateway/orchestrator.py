@@ -218,7 +218,7 @@ class Orchestrator:
             self.metrics.routed("language", reason)
             self.language_policy.on_routed(language, key)
             try:
-                yield from self._stream(dispatch, admitted)
+                yield from self._stream(dispatch, admitted, max(1, sampling.n))
                 return
             except NotStarted as exc:
                 if exc.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -397,14 +397,19 @@ class Orchestrator:
 
     # ---- the answer ---------------------------------------------------------------------
     def _stream(
-        self, dispatch: Dispatch, admitted: Admitted
+        self, dispatch: Dispatch, admitted: Admitted, num_choices: int
     ) -> Iterator[gateway_pb2.GenerateChunk]:
+        """The language worker's chunks as the gateway's, until every one of the
+        ``num_choices`` choices had its final chunk. Time to first token is the first token of
+        any choice; inter-token latency is choice 0's; the end-to-end time is the last
+        choice's finish."""
         start = admitted.admitted_at
         self.metrics.queue.observe(dispatch.sent_at - start)
         workers = [w for w in (dispatch.language, dispatch.encoder) if w is not None]
         for w in workers:
             self.registry.acquire(w)
         first_token_at = last_token_at = 0.0
+        finished: set[int] = set()  # choices whose final chunk went out
         failure = "the request ended before the language worker answered"
         streamed = False
         try:
@@ -413,15 +418,16 @@ class Orchestrator:
                 if dispatch.room is not None and chunk.finish_reason not in UNDELIVERED:
                     dispatch.room.delivered()  # a token or a normal finish: the prompt arrived
                 now = time.monotonic()
-                if chunk.token_ids:
-                    if not first_token_at:
-                        first_token_at = now
-                        self.metrics.ttft.observe(now - start)
-                    else:
+                if chunk.token_ids and not first_token_at:
+                    first_token_at = now
+                    self.metrics.ttft.observe(now - start)
+                if chunk.token_ids and chunk.index == 0:
+                    if last_token_at:
                         self.metrics.itl.observe((now - last_token_at) / len(chunk.token_ids))
                     last_token_at = now
                 out = gateway_pb2.GenerateChunk(
                     request_id=admitted.request_id,
+                    index=chunk.index,
                     text=chunk.text,
                     token_ids=chunk.token_ids,
                     logprobs=chunk.logprobs,
@@ -438,9 +444,13 @@ class Orchestrator:
                     failure = REQUEST_ABORTED
                     raise GatewayError(grpc.StatusCode.CANCELLED, REQUEST_ABORTED)
                 if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    self._finalize(out, chunk, dispatch, start, first_token_at)
+                    finished.add(chunk.index)
+                    last = len(finished) >= num_choices
+                    self._finalize(out, chunk, dispatch, start, first_token_at, last)
                     yield out
-                    return  # the final chunk ends the request, whatever the call does next
+                    if last:
+                        return  # the last final chunk ends the request, whatever the call does
+                    continue
                 yield out
         except grpc.RpcError as exc:
             if admitted.cancelled:
@@ -458,7 +468,9 @@ class Orchestrator:
                 self.registry.release(w)
             dispatch.call.cancel()
 
-    def _finalize(self, out, chunk, dispatch: Dispatch, start: float, first_token_at: float):
+    def _finalize(
+        self, out, chunk, dispatch: Dispatch, start: float, first_token_at: float, last: bool
+    ):
         now = time.monotonic()
         out.finish_reason = chunk.finish_reason
         out.usage.prompt_tokens = chunk.usage.prompt_tokens
@@ -475,7 +487,8 @@ class Orchestrator:
         t.encoder_cache_hits = lt.num_encoder_cache_hits
         out.language = dispatch.language.address
         out.encoder = dispatch.encoder.address if dispatch.encoder is not None else ""
-        self.metrics.e2e.observe(now - start)
+        if last:
+            self.metrics.e2e.observe(now - start)
 
 
 def with_tools(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:

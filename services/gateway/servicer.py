@@ -73,6 +73,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             context.abort(exc.code, exc.message)
 
     def GenerateUnary(self, request, context):  # noqa: N802
+        if request.sampling.n > 1:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"sampling.n must be 0 or 1 for GenerateUnary (one choice; Generate streams "
+                f"several), got {request.sampling.n}",
+            )
         texts: list[str] = []
         token_ids: list[int] = []
         reply = gateway_pb2.GenerateResponse()

@@ -213,10 +213,12 @@ def _partial_suffix(text: str, tag: str) -> int:
 def parse_tool_calls(
     chunks: Iterable[gateway_pb2.GenerateChunk],
 ) -> Iterator[gateway_pb2.GenerateChunk]:
-    """``chunks`` with their text split into content and ``tool_calls``; the last one's finish
-    reason is ``TOOL_CALLS`` when the model called any (and stopped by itself)."""
-    parser = ToolCallParser()
+    """``chunks`` with their text split into content and ``tool_calls``, each choice
+    (``index``) by its own parser; a choice's final chunk's finish reason is ``TOOL_CALLS`` when
+    the model called any in it (and stopped by itself)."""
+    parsers: dict[int, ToolCallParser] = {}
     for chunk in chunks:
+        parser = parsers.setdefault(chunk.index, ToolCallParser())
         final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
         text, calls = parser.feed(chunk.text, final)
         chunk.text = text

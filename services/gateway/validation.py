@@ -33,6 +33,7 @@ from common.sampling_bounds import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
     MAX_REPETITION_PENALTY,
 )
 from protos.epd.v1 import gateway_pb2
@@ -345,6 +346,8 @@ def _validate_sampling(request: gateway_pb2.GenerateRequest, limits: RequestLimi
         raise invalid(
             f"sampling.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}"
         )
+    if s.n > MAX_N:
+        raise invalid(f"sampling.n must be in [0, {MAX_N}] (0 or 1 = one choice), got {s.n}")
     if s.HasField("structured_output"):
         _validate_structured(s.structured_output)
     _validate_controls(s, limits)

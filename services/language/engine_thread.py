@@ -1,8 +1,9 @@
 """Runs a ``LanguageEngine`` on its own thread; gRPC threads talk to it through an inbox.
 
 Every engine call happens on the engine thread. Callers get a ``queue.Queue`` per request onto
-which each ``RequestOutput`` of that request is put; the last one has ``finished`` set, and
-every submitted request gets one (at shutdown too), so a caller may block on its queue.
+which each ``RequestOutput`` of that request is put (of every choice, each with its ``index``);
+the last one has ``ends_request`` set, and every submitted request gets one (at shutdown too),
+so a caller may block on its queue.
 
 The thread never polls. It sleeps on a condition until there is something to do: a command in
 the inbox (a new request, an abort, stop), a room that ended (the embedding source's listener),
@@ -144,7 +145,7 @@ class EngineThread:
         with self._lock:
             if stream is not None and self._streams.get(request_id) is not stream:
                 return  # finished already, or the id now names another request
-            self._post(lambda: self._dispatch([self.engine.abort(request_id)]))
+            self._post(lambda: self._dispatch(self.engine.abort(request_id)))
 
     # ---- the engine thread --------------------------------------------------------------
     def _post(self, command: Callable[[], None]) -> None:
@@ -176,13 +177,11 @@ class EngineThread:
                 self._streams.pop(sub.request_id, None)
             stream.put(_error_output(sub.request_id, exc))
 
-    def _dispatch(self, outputs: list[RequestOutput | None]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            if out is None:
-                continue
             with self._lock:
                 stream = self._streams.get(out.request_id)
-                if out.finished:
+                if out.ends_request:
                     self._streams.pop(out.request_id, None)
             if stream is not None:
                 stream.put(out)
@@ -193,7 +192,9 @@ class EngineThread:
         except Exception as exc:  # a defect in the engine itself: fail what it holds, go on
             logger.exception("engine step failed; failing every request")
             error = f"engine error: {type(exc).__name__}: {exc}"
-            return [self.engine.abort(rid, error) for rid in list(self.engine.requests)]
+            return [
+                out for rid in list(self.engine.requests) for out in self.engine.abort(rid, error)
+            ]
 
     def _guarded(self, action: Callable[[], None]) -> None:
         """Run ``action``; a defect in it is logged and the thread goes on serving."""
@@ -227,7 +228,7 @@ class EngineThread:
     def _shut_down(self) -> None:
         """Every request gets its last output: engine requests and never-added submissions."""
         for rid in list(self.engine.requests):
-            self._dispatch([self.engine.abort(rid, SHUTDOWN_ERROR)])
+            self._dispatch(self.engine.abort(rid, SHUTDOWN_ERROR))
         with self._lock:
             left, self._streams = self._streams, {}
             self._inbox.clear()
@@ -254,10 +255,11 @@ def _error_output(request_id: str, exc: Exception) -> RequestOutput:
 
 def coalesced_outputs(stream: queue.Queue[RequestOutput]) -> Iterator[RequestOutput]:
     """A request's outputs as its caller should send them: blocks for the next one, then merges
-    into it every later output already queued behind it (their tokens, text and log-probabilities
-    in order; the last one's finish and usage). A caller that sends slower than the engine
-    decodes thus sends fewer, larger messages instead of falling further behind. An error is
-    never merged: the tokens before it go out first. Ends after the finished output."""
+    into it every later output of the same choice already queued behind it (their tokens, text
+    and log-probabilities in order; the last one's finish and usage). A caller that sends slower
+    than the engine decodes thus sends fewer, larger messages instead of falling further behind.
+    An error is never merged, nor are outputs of different choices (``index``): the output
+    before goes out first. Ends after the request's last output (``ends_request``)."""
     pending: RequestOutput | None = None
     while True:
         out, pending = pending or stream.get(), None
@@ -266,7 +268,7 @@ def coalesced_outputs(stream: queue.Queue[RequestOutput]) -> Iterator[RequestOut
                 nxt = stream.get_nowait()
             except queue.Empty:
                 break
-            if nxt.error_kind != ErrorKind.NONE:
+            if nxt.error_kind != ErrorKind.NONE or nxt.index != out.index:
                 pending = nxt
                 break
             out = replace(
@@ -277,5 +279,5 @@ def coalesced_outputs(stream: queue.Queue[RequestOutput]) -> Iterator[RequestOut
                 prompt_logprobs=out.prompt_logprobs + nxt.prompt_logprobs,
             )
         yield out
-        if out.finished:
+        if out.ends_request:
             return

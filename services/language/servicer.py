@@ -59,6 +59,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         if p.HasField("structured_output")
         else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        n=p.n or 1,
     )
 
 
@@ -100,7 +101,9 @@ def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
 
 
 def chunk_from_output(out: RequestOutput) -> language_pb2.LanguageGenerateChunk:
-    chunk = language_pb2.LanguageGenerateChunk(text=out.text, token_ids=out.token_ids)
+    chunk = language_pb2.LanguageGenerateChunk(
+        text=out.text, token_ids=out.token_ids, index=out.index
+    )
     chunk.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
     chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
     if out.finished:
@@ -150,11 +153,14 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         if not context.add_callback(lambda: self.engine_thread.abort(rid, stream)):
             self.engine_thread.abort(rid, stream)  # the call already ended
         echo = self._echo_text(request) if request.echo else ""
+        echoed: set[int] = set()  # choices whose first chunk went out
         for out in coalesced_outputs(stream):
             if out.error_kind in STATUS_OF_ERROR:
                 context.abort(STATUS_OF_ERROR[out.error_kind], out.error)
             chunk = chunk_from_output(out)
-            chunk.prompt_text, echo = echo, ""  # the first chunk only
+            if out.index not in echoed:  # each choice's first chunk
+                chunk.prompt_text = echo
+                echoed.add(out.index)
             yield chunk
 
     def _echo_text(self, request) -> str:

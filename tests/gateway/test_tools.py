@@ -131,6 +131,32 @@ def test_finish_reason_is_tool_calls_only_after_a_call() -> None:
     assert out[-1].finish_reason == length  # cut short: the finish says so
 
 
+def test_each_choice_is_parsed_on_its_own() -> None:
+    def chunk(index: int, text: str, reason: int = 0) -> gateway_pb2.GenerateChunk:
+        return gateway_pb2.GenerateChunk(index=index, text=text, finish_reason=reason)
+
+    stop = common_pb2.FINISH_REASON_STOP
+    out = list(
+        parse_tool_calls(
+            [
+                chunk(0, "<tool_"),
+                chunk(1, "no call <tool_"),
+                chunk(0, 'call>{"name": "get_time"}</tool_call>', stop),
+                chunk(1, "here", stop),
+            ]
+        )
+    )
+    assert [(c.index, c.text) for c in out] == [
+        (0, ""),
+        (1, "no call "),
+        (0, ""),
+        (1, "<tool_here"),
+    ]
+    assert [c.name for c in out[2].tool_calls] == ["get_time"] and not out[3].tool_calls
+    assert out[2].finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+    assert out[3].finish_reason == stop
+
+
 def test_forced_choices_set_a_grammar_that_compiles() -> None:
     assert tool_grammar(_request()) == ""
     named = _request(choice=common_pb2.ToolChoice(function="get_weather"))

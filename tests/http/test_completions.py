@@ -166,8 +166,9 @@ def test_logprobs_without_echo_and_prompt_logprobs_extension(client, model) -> N
     "extra, param, words",
     [
         ({"suffix": "end"}, "suffix", "suffix is not supported"),
-        ({"best_of": 2}, "best_of", "best_of must be 1"),
-        ({"n": 2}, "n", "n must be 1"),
+        ({"best_of": 2}, "best_of", "best_of must be 1 or equal to n (1)"),
+        ({"n": 2, "best_of": 3}, "best_of", "best_of must be 1 or equal to n (2)"),
+        ({"n": 17}, "n", "n must be in [1, 16], got 17"),
         ({"logprobs": 6}, "logprobs", "logprobs must be in [0, 5], got 6"),
         ({"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
         ({"temperature": 500}, "temperature", "temperature must be a finite number"),

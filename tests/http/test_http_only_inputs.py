@@ -27,7 +27,7 @@ from tests.http.refusals import (
 )
 
 HTTP_ONLY: dict[str, tuple[dict | bytes, str | None, list[str]]] = {
-    "n of 2": (edit(lambda b: None, n=2), "n", ["n must be 1"]),
+    "n of 17": (edit(lambda b: None, n=17), "n", ["n must be in [1, 16], got 17"]),
     "stream_options without stream": (
         edit(lambda b: None, stream_options={"include_usage": True}),
         "stream_options",

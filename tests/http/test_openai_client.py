@@ -232,8 +232,9 @@ def test_refusals_are_the_clients_exceptions(client, model) -> None:
         client.chat.completions.create(model=model, messages=[image_message("?", bad)])
     assert "image" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, messages=messages, n=3)
+        client.chat.completions.create(model=model, messages=messages, n=17)
     assert info.value.body["param"] == "n"
+    assert "n must be in [1, 16], got 17" in info.value.body["message"]
     # the test checkpoint's context is 32768 tokens: no language worker takes 32768 new ones
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=messages, max_tokens=32768)

@@ -70,9 +70,9 @@ def test_abort_in_every_state_frees_everything(h, case):
         engine.step()
     assert engine.requests["decoding"].status == RequestStatus.DECODE
     for rid in ("receiving", "waiting", "decoding"):
-        out = engine.abort(rid)
-        assert out.finish_reason == FinishReason.ABORT
-    assert engine.abort("unknown") is None
+        [out] = engine.abort(rid)
+        assert out.finish_reason == FinishReason.ABORT and out.ends_request
+    assert engine.abort("unknown") == []
     assert not engine.has_work() and not engine.requests
     cm = engine.cache_manager
     info = cm.cache.size_info()

@@ -202,3 +202,25 @@ def test_queued_outputs_are_sent_merged_and_an_error_is_never_merged():
         out([1], "a"),
         out([], "", FinishReason.ERROR, ErrorKind.DEADLINE_EXCEEDED),
     ]
+
+
+def test_outputs_of_different_choices_are_never_merged_and_a_choice_end_is_not_the_end():
+    def out(index, tokens, text, reason=FinishReason.NONE, more=False):
+        return RequestOutput("r", tokens, text, reason, index=index, more_choices=more)
+
+    stream = queue.Queue()
+    for item in (
+        out(0, [1], "a"),
+        out(0, [2], "b"),
+        out(1, [7], "x"),
+        out(0, [3], "c", FinishReason.STOP, more=True),
+        out(1, [8], "y"),
+        out(1, [9], "z", FinishReason.LENGTH),
+    ):
+        stream.put(item)
+    assert list(coalesced_outputs(stream)) == [
+        out(0, [1, 2], "ab"),
+        out(1, [7], "x"),
+        out(0, [3], "c", FinishReason.STOP, more=True),
+        out(1, [8, 9], "yz", FinishReason.LENGTH),
+    ]

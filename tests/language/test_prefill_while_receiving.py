@@ -104,7 +104,7 @@ def test_abort_and_failure_mid_prompt_free_everything(h):
     engine.deliver_chunk(21, half)
     engine.step()
     assert engine.requests["aborted"].num_computed > 0
-    out = engine.abort("aborted")
+    [out] = engine.abort("aborted")
     assert out.finish_reason == FinishReason.ABORT
     assert engine.receiving == {} and not engine.has_work()
     engine.add_request("failed", SamplingParams(), room=22)

@@ -44,7 +44,8 @@ from services.gateway.errors import GatewayError
 from services.gateway.frontdoor import Api, FrontDoor
 from services.gateway.http import schemas
 from services.gateway.http.bridge import ChunkPump, MergedPump
-from services.gateway.http.completion_replies import CompletionWriter, ManyCompletionsWriter
+from services.gateway.http.choices import ChoicesWriter
+from services.gateway.http.completion_replies import CompletionWriter
 from services.gateway.http.completions import to_completion_requests
 from services.gateway.http.convert import (
     FieldNames,
@@ -170,8 +171,12 @@ def create_app(ctx: HttpContext) -> ASGIApp:
             timeout_s = _timeout_s(x_request_timeout)
             proto, names = to_generate_request(body, x_request_id or "", ctx.front_door.limits)
 
-        def writer(head: Head, include_usage: bool, request_ids: list[str]) -> ChunkWriter:
-            return ChunkWriter(head, include_usage, bool(body.logprobs))
+        def writer(head: Head, include_usage: bool, request_ids: list[str]) -> AnswerWriter:
+            n, logprobs = body.n or 1, bool(body.logprobs)
+            if n == 1:
+                return ChunkWriter(head, include_usage, logprobs)
+            writers = [ChunkWriter(head, include_usage, logprobs, i) for i in range(n)]
+            return ChoicesWriter(writers, request_ids, n, include_usage)
 
         return _answer(ctx, request, body, [proto], names, model, timeout_s, "chatcmpl", writer)
 
@@ -191,9 +196,12 @@ def create_app(ctx: HttpContext) -> ASGIApp:
             protos, names, ask = to_completion_requests(body, x_request_id or "", limits)
 
         def writer(head: Head, include_usage: bool, request_ids: list[str]) -> AnswerWriter:
-            if len(request_ids) > 1:
-                return ManyCompletionsWriter(head, include_usage, ask, request_ids)
-            return CompletionWriter(head, include_usage, ask)
+            n = body.n or 1
+            if len(request_ids) == 1 and n == 1:
+                return CompletionWriter(head, include_usage, ask)
+            num_choices = len(request_ids) * n
+            writers = [CompletionWriter(head, include_usage, ask, i) for i in range(num_choices)]
+            return ChoicesWriter(writers, request_ids, n, include_usage)
 
         return _answer(ctx, request, body, protos, names, model, timeout_s, "cmpl", writer)
 

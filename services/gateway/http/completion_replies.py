@@ -25,11 +25,12 @@ class CompletionWriter(StreamWriter):
     """One legacy completion answer: ``unary`` when not streamed, ``write`` when streamed."""
 
     object_name = OBJECT
+    unary_object = OBJECT
 
     def __init__(self, head: Head, include_usage: bool, ask: CompletionAsk, index: int = 0) -> None:
         super().__init__(head, include_usage)
         self.ask = ask
-        self.index = index  # the choice's (its prompt's position)
+        self.index = index  # the choice's in the answer (see ``choices.py``)
         self._offset = 0  # text_offset of the next token
 
     def _logprobs(self, entries: list[common_pb2.TokenLogprob]) -> dict | None:
@@ -77,52 +78,3 @@ class CompletionWriter(StreamWriter):
         if not (prompt_text or extra):
             return b""
         return self.stream_event([self._choice(prompt_text, prompt_entries) | extra])
-
-
-class ManyCompletionsWriter:
-    """A legacy completion of several prompts: choice ``i`` is prompt ``i``'s, whose chunks
-    carry ``request_ids[i]``; usage is the sum over the prompts. Streamed, each prompt's events
-    come as its chunks do (told apart by their choice's ``index``), and the usage event once
-    every prompt finished."""
-
-    def __init__(
-        self, head: Head, include_usage: bool, ask: CompletionAsk, request_ids: list[str]
-    ) -> None:
-        self.head = head
-        self.include_usage = include_usage
-        self.index = {rid: i for i, rid in enumerate(request_ids)}
-        self.writers = [
-            CompletionWriter(head, include_usage, ask, i) for i in range(len(request_ids))
-        ]
-        for writer in self.writers:
-            writer.usage_event = False  # one event with the sum instead
-        self._usage = [gateway_pb2.Usage() for _ in request_ids]
-        self._num_finished = 0
-
-    def unary(self, chunks: list[gateway_pb2.GenerateChunk]) -> dict:
-        """The ``text_completion`` with one choice per prompt, in the prompts' order."""
-        by_prompt: list[list[gateway_pb2.GenerateChunk]] = [[] for _ in self.writers]
-        for chunk in chunks:
-            by_prompt[self.index[chunk.request_id]].append(chunk)
-        choices = [w.unary_choice(c) for w, c in zip(self.writers, by_prompt, strict=True)]
-        total = _sum_usage(c[-1].usage for c in by_prompt)
-        return self.writers[0].envelope(OBJECT, choices, usage=total, system_fingerprint=None)
-
-    def write(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
-        """The events of one chunk of one of the prompts."""
-        i = self.index[chunk.request_id]
-        out = self.writers[i].write(chunk)
-        if chunk.finish_reason:
-            self._usage[i], self._num_finished = chunk.usage, self._num_finished + 1
-            if self.include_usage and self._num_finished == len(self.writers):
-                out += self.writers[i].stream_event([], usage=_sum_usage(self._usage))
-        return out
-
-
-def _sum_usage(parts) -> dict:
-    total = gateway_pb2.Usage()
-    for u in parts:
-        total.prompt_tokens += u.prompt_tokens
-        total.cached_tokens += u.cached_tokens
-        total.completion_tokens += u.completion_tokens
-    return usage(total)

@@ -3,7 +3,8 @@
 A prompt is a text (tokenized by the language worker without the chat template) or a list of
 token ids; a list of several prompts becomes one request per prompt (choice ``i`` answers
 prompt ``i``; they are ``R-0``, ``R-1``, ... of the answer's id ``R``: ``X-Request-Id`` or one
-drawn here). ``logprobs`` (0..5) asks for each token's log-probability and that many top
+drawn here); with ``n`` each has ``n`` choices, numbered ``i * n + j`` in the answer.
+``logprobs`` (0..5) asks for each token's log-probability and that many top
 tokens; with ``echo`` the prompt's tokens come first, which needs the prompt's
 log-probabilities from the worker (``sampling.prompt_logprobs``). ``prompt_logprobs`` is vLLM's
 extension. Checked here with a 400 naming the field: what only this endpoint has (``prompt``'s
@@ -48,8 +49,12 @@ def to_completion_requests(
     check_choices_and_stream(body)
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
-    if body.best_of is not None and body.best_of != 1:
-        raise invalid(f"best_of must be 1, got {body.best_of}", "best_of")
+    if body.best_of is not None and body.best_of not in (1, body.n or 1):
+        raise invalid(
+            f"best_of must be 1 or equal to n ({body.n or 1}): each choice is returned, got "
+            f"{body.best_of}",
+            "best_of",
+        )
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LEGACY_LOGPROBS:
         raise invalid(
             f"logprobs must be in [0, {MAX_LEGACY_LOGPROBS}], got {body.logprobs}", "logprobs"

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.sampling_bounds import MAX_LOGIT_BIAS_ENTRIES, MAX_REPETITION_PENALTY
+from common.sampling_bounds import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_REPETITION_PENALTY
 from protos.epd.v1 import common_pb2, gateway_pb2
 from services.gateway.http.errors import HttpError, invalid
 from services.gateway.http.schemas import ChatCompletionRequest, SamplingFields
@@ -156,9 +156,9 @@ def to_generate_request(
 
 
 def check_choices_and_stream(body: SamplingFields) -> None:
-    """``n`` (one choice) and ``stream_options`` (only with ``stream``)."""
-    if body.n is not None and body.n != 1:
-        raise invalid(f"n must be 1 (one choice per request), got {body.n}", "n")
+    """``n`` (choices, at most ``MAX_N``) and ``stream_options`` (only with ``stream``)."""
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise invalid(f"n must be in [1, {MAX_N}], got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
@@ -340,6 +340,7 @@ def sampling_of(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         ignore_eos=bool(body.ignore_eos),
+        n=body.n if body.n and body.n > 1 else 0,  # 0 = one choice, as a gRPC client sends it
     )
     name, value = "max_tokens", body.max_tokens
     if value is None and default_max_tokens:

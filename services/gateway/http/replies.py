@@ -81,25 +81,34 @@ def completion(
     logprobs: list[common_pb2.TokenLogprob] | None = None,
     calls: list[common_pb2.ToolCall] | None = None,
 ) -> dict:
-    """The ``chat.completion`` object; ``logprobs`` None when not asked for."""
-    message: dict = {"role": "assistant", "content": text or (None if calls else "")}
-    if calls:
-        message["tool_calls"] = [tool_call(c) for c in calls]
+    """The ``chat.completion`` object of one choice; ``logprobs`` None when not asked for."""
     return {
         "id": head.id,
         "object": "chat.completion",
         "created": head.created,
         "model": head.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
-                "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
-            }
-        ],
+        "choices": [completion_choice(text, final, logprobs, calls)],
         "usage": usage(final.usage),
         "system_fingerprint": None,
+    }
+
+
+def completion_choice(
+    text: str,
+    final: gateway_pb2.GenerateChunk,
+    logprobs: list[common_pb2.TokenLogprob] | None = None,
+    calls: list[common_pb2.ToolCall] | None = None,
+    index: int = 0,
+) -> dict:
+    """One choice of a ``chat.completion``."""
+    message: dict = {"role": "assistant", "content": text or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = [tool_call(c) for c in calls]
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+        "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
     }
 
 
@@ -108,7 +117,8 @@ class StreamWriter:
     (or, for the usage, none); log-probability entries wait for the next choice that carries
     text, or for the finish. Subclasses say what a choice holds and what comes first."""
 
-    object_name = ""
+    object_name = ""  # of each event
+    unary_object = ""  # of the answer's object when not streamed
     usage_event = True  # the usage's own event after the finish (with ``include_usage``)
 
     def __init__(self, head: Head, include_usage: bool) -> None:
@@ -172,23 +182,35 @@ class ChunkWriter(StreamWriter):
     """One chat answer: its events when streamed (``write``), its object when not (``unary``)."""
 
     object_name = "chat.completion.chunk"
+    unary_object = "chat.completion"
 
-    def __init__(self, head: Head, include_usage: bool, logprobs: bool = False) -> None:
+    def __init__(
+        self, head: Head, include_usage: bool, logprobs: bool = False, index: int = 0
+    ) -> None:
         super().__init__(head, include_usage)
         self.logprobs = logprobs
+        self.index = index  # the choice's in the answer (see ``choices.py``)
         self._num_calls = 0  # tool calls streamed so far (each delta's "index")
 
     def unary(self, chunks: list[gateway_pb2.GenerateChunk]) -> dict:
         """The ``chat.completion`` of all of an answer's chunks (the last one final)."""
+        choice = self.unary_choice(chunks)
+        final_usage = usage(chunks[-1].usage)
+        return self.envelope(
+            self.unary_object, [choice], usage=final_usage, system_fingerprint=None
+        )
+
+    def unary_choice(self, chunks: list[gateway_pb2.GenerateChunk]) -> dict:
+        """The choice of all of one choice's chunks (the last one final)."""
         text = "".join(c.text for c in chunks)
         entries = [lp for c in chunks for lp in c.logprobs] if self.logprobs else None
         calls = [call for c in chunks for call in c.tool_calls]
-        return completion(self.head, text, chunks[-1], entries, calls)
+        return completion_choice(text, chunks[-1], entries, calls, self.index)
 
     def _start(self, chunk: gateway_pb2.GenerateChunk) -> bytes:
         delta = {"role": "assistant", "content": ""}
         return self.stream_event(
-            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+            [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}]
         )
 
     def _entries(self, chunk: gateway_pb2.GenerateChunk) -> list[common_pb2.TokenLogprob]:
@@ -198,14 +220,14 @@ class ChunkWriter(StreamWriter):
         out = b""
         for call in chunk.tool_calls:
             delta = {"tool_calls": [{"index": self._num_calls, **tool_call(call)}]}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
             out += self.stream_event([choice])
             self._num_calls += 1
         return out
 
     def _choice(self, text: str, entries: list, finish_reason: str | None) -> dict:
         return {
-            "index": 0,
+            "index": self.index,
             "delta": {"content": text} if text else {},
             "logprobs": chat_logprobs(entries) if entries else None,
             "finish_reason": finish_reason,

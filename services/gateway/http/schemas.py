@@ -22,6 +22,7 @@ from common.sampling_bounds import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
     MAX_REPETITION_PENALTY,
 )
 from services.gateway.validation import MAX_TEMPERATURE, MAX_TOP_LOGPROBS
@@ -140,7 +141,9 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, json_schema_extra={"minimum": -(1 << 63), "maximum": MAX_SEED})
     stop: StopList = None
     n: int | None = Field(
-        None, description="only 1", json_schema_extra={"minimum": 1, "maximum": 1}
+        None,
+        description="choices; with a seed, choice i samples with seed + i",
+        json_schema_extra={"minimum": 1, "maximum": MAX_N},
     )
     frequency_penalty: float | None = Field(
         None,
@@ -258,7 +261,9 @@ class CompletionRequest(SamplingFields):
     )
     suffix: str | None = Field(None, description="not supported (400)")
     best_of: int | None = Field(
-        None, description="only 1", json_schema_extra={"minimum": 1, "maximum": 1}
+        None,
+        description="1 or n (every choice is returned)",
+        json_schema_extra={"minimum": 1, "maximum": MAX_N},
     )
 
 

@@ -6,6 +6,16 @@ Failures stay with the request that caused them: a prompt that does not fit, inp
 be gathered, a sampling error or non-finite logits finish that request alone with
 ``FinishReason.ERROR``; only an exception from the model forward fails the requests of that
 batch (their K/V may be partly written), and the engine goes on with the next step.
+
+A request with ``n`` choices is ``n`` sequences (``Request`` s with one ``request_id``, choice
+``index`` each), all made when it is added. Choice 0 receives the prompt and prefills it; the
+others wait (``WAITING_FOR_FIRST_CHOICE``) until its prefill completes and its prompt is in the
+radix cache, then take its inputs and are queued first: each matches all of the prompt but its
+last token, so the prompt and its images are computed once. Each choice samples on its own
+(its sampler, seed + index with a seed, grammar guide, penalty history) and streams outputs
+with its ``index``. The request ends when every choice finished: its last output has
+``ends_request``, and its room (the image rows are views of its transfer blocks) is given back
+then. An abort or a failure of any choice finishes every choice still going.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -84,7 +95,8 @@ class LanguageEngine:
         self.num_prefill_tokens = 0  # prompt tokens computed, lifetime
         self.num_decode_tokens = 0  # tokens computed while decoding, lifetime
         self.num_batches = 0  # steps that ran a batch, lifetime
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # choice 0 of each request in flight
+        self.choices: dict[str, list[Request]] = {}  # every choice of it, by index
         self.receiving: dict[int, Request] = {}  # room -> request waiting for embeddings
         self.embedding_source = embedding_source  # where rooms' embeddings come from
 
@@ -133,10 +145,9 @@ class LanguageEngine:
         if request_id in self.requests:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"duplicate request id {request_id!r}")
         check_sampling(params, self.limits)
-        if guide is None and params.structured is not None:
-            guide = self.grammars.guide(params.structured)
-        req = Request(request_id, params, IncrementalDetokenizer(self.tokenizer, params.stop))
-        req.room, req.deadline, req.guide = room, deadline, guide
+        req = self._new_choice(request_id, params, 0, guide)
+        req.room, req.deadline = room, deadline
+        others = [self._new_choice(request_id, params, i) for i in range(1, params.n)]
         if inputs is None:
             if not room:
                 raise RequestError(ErrorKind.INVALID_ARGUMENT, "a request needs inputs or a room")
@@ -150,6 +161,34 @@ class LanguageEngine:
             self._set_inputs(req, inputs)
             self.scheduler.add(req)
         self.requests[request_id] = req
+        self.choices[request_id] = [req, *others]
+
+    def _new_choice(
+        self, request_id: str, params: SamplingParams, index: int, guide: Guide | None = None
+    ) -> Request:
+        """Choice ``index`` of a request: with a seed it samples with seed + index; with
+        structured output it gets its own guide (the compiled grammar is cached)."""
+        if index and params.seed is not None:
+            params = replace(params, seed=params.seed + index)
+        if guide is None and params.structured is not None:
+            guide = self.grammars.guide(params.structured)
+        req = Request(request_id, params, IncrementalDetokenizer(self.tokenizer, params.stop))
+        req.index, req.guide = index, guide
+        if index:
+            req.status = RequestStatus.WAITING_FOR_FIRST_CHOICE
+        return req
+
+    def _start_other_choices(self, first: Request) -> None:
+        """``first`` (choice 0) put its prompt into the radix cache: the choices waiting for it
+        take its prompt and go to the front of the queue (they reuse its prefill)."""
+        waiting = [
+            c
+            for c in self.choices.get(first.request_id, ())
+            if c.status == RequestStatus.WAITING_FOR_FIRST_CHOICE
+        ]
+        for choice in waiting:
+            choice.share_prompt(first)
+        self.scheduler.add_first(waiting)
 
     def _set_inputs(
         self, req: Request, inputs: PromptInputs, num_prompt_tokens: int | None = None
@@ -207,7 +246,7 @@ class LanguageEngine:
         if isinstance(inputs, Exception):
             past_deadline = req.deadline is not None and time.monotonic() >= req.deadline
             kind = ErrorKind.DEADLINE_EXCEEDED if past_deadline else ErrorKind.FAILED
-            return [self._fail(req, kind, f"receiving the prompt failed: {inputs}")]
+            return self._fail(req, kind, f"receiving the prompt failed: {inputs}")
         return self._take_prompt(req, lambda: self._take_whole(req, inputs))
 
     def _take_prompt(self, req: Request, take: Callable[[], None]) -> list[RequestOutput]:
@@ -215,10 +254,10 @@ class LanguageEngine:
         try:
             take()
         except RequestError as exc:
-            return [self._fail(req, exc.kind, str(exc))]
+            return self._fail(req, exc.kind, str(exc))
         except Exception as exc:  # inputs the checks did not foresee: this request only
             logger.exception("request %s: its prompt could not be taken", req.request_id)
-            return [self._fail(req, ErrorKind.FAILED, f"its prompt could not be taken: {exc}")]
+            return self._fail(req, ErrorKind.FAILED, f"its prompt could not be taken: {exc}")
         return []
 
     def _take_chunk(self, req: Request, chunk: PromptChunk) -> None:
@@ -251,15 +290,16 @@ class LanguageEngine:
         check_inputs(inputs, req.params, self.limits, req.num_prompt_tokens)
         req.update_inputs(inputs, self.limits.vocab_size, self._image_keys(req, inputs))
 
-    def abort(self, request_id: str, error: str = "") -> RequestOutput | None:
-        """Abort in any state: frees slots, locks and (via the source) transfer blocks.
-        With ``error`` the request finishes as failed (``ERROR``) rather than aborted."""
+    def abort(self, request_id: str, error: str = "") -> list[RequestOutput]:
+        """Abort in any state: frees slots, locks and (via the source) transfer blocks. With
+        ``error`` the request finishes as failed (``ERROR``) rather than aborted. One output per
+        choice still going (none for an unknown id)."""
         req = self.requests.get(request_id)
         if req is None:
-            return None
+            return []
         if error:
             return self._fail(req, ErrorKind.FAILED, error)
-        return self._finish(req, FinishReason.ABORT)
+        return self._end_request(req, FinishReason.ABORT)
 
     # ---- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -280,7 +320,7 @@ class LanguageEngine:
                 "model forward failed; failing the %d requests of its batch", len(batch.chunks)
             )
             error = f"model forward failed: {type(exc).__name__}: {exc}"
-            return [self._fail(c.req, ErrorKind.FAILED, error) for c in batch.chunks]
+            return [out for c in batch.chunks for out in self._fail(c.req, ErrorKind.FAILED, error)]
         for chunk in result.chunks:
             if chunk.req.status == RequestStatus.DECODE:
                 self.num_decode_tokens += chunk.end - chunk.start
@@ -290,8 +330,9 @@ class LanguageEngine:
 
     def postprocess(self, result: RunResult) -> list[RequestOutput]:
         outputs = [
-            self._fail(c.req, ErrorKind.FAILED, f"building its inputs failed: {exc}")
+            out
             for c, exc in result.failed
+            for out in self._fail(c.req, ErrorKind.FAILED, f"building its inputs failed: {exc}")
         ]
         for req, entries in result.prompt_logprobs:
             req.prompt_logprobs += entries
@@ -307,13 +348,16 @@ class LanguageEngine:
             chunk.req.num_computed = chunk.end
         for row, (chunk, token) in enumerate(zip(sampled, tokens, strict=True)):
             req = chunk.req
+            if req.status == RequestStatus.FINISHED:  # another choice of its request failed
+                continue
             if isinstance(token, Exception):
-                outputs.append(self._fail(req, ErrorKind.FAILED, f"sampling failed: {token}"))
+                outputs += self._fail(req, ErrorKind.FAILED, f"sampling failed: {token}")
                 continue
             try:
                 if req.status == RequestStatus.PREFILL:
                     req.status = RequestStatus.DECODE
                     self.cache_manager.cache_prefix(req)
+                    self._start_other_choices(req)
                 out = self._append_token(req, token)
                 if req.params.wants_logprobs:
                     lp = token_logprob(result.logits[row], token, req.params.top_logprobs)
@@ -323,7 +367,7 @@ class LanguageEngine:
                 outputs.append(out)
             except Exception as exc:  # e.g. the tokenizer rejects the token: this request only
                 logger.exception("request %s failed after sampling", req.request_id)
-                outputs.append(self._fail(req, ErrorKind.FAILED, f"output failed: {exc}"))
+                outputs += self._fail(req, ErrorKind.FAILED, f"output failed: {exc}")
         return outputs
 
     @staticmethod
@@ -362,8 +406,25 @@ class LanguageEngine:
             return self._finish(req, reason, [token], text)
         return request_output(req, [token], text)
 
-    def _fail(self, req: Request, kind: ErrorKind, error: str) -> RequestOutput:
-        return self._finish(req, FinishReason.ERROR, error=error, error_kind=kind)
+    def _fail(self, req: Request, kind: ErrorKind, error: str) -> list[RequestOutput]:
+        """``req`` failed: its request ends, every choice with the error."""
+        return self._end_request(req, FinishReason.ERROR, error, kind)
+
+    def _end_request(
+        self,
+        req: Request,
+        reason: FinishReason,
+        error: str = "",
+        error_kind: ErrorKind = ErrorKind.NONE,
+    ) -> list[RequestOutput]:
+        """Finish every choice of ``req``'s request still going (``req`` last), with ``reason``."""
+        choices = self.choices.get(req.request_id, [])
+        if not any(c is req for c in choices):  # its request already ended
+            choices = [req]
+        going = [c for c in choices if c is not req and c.status != RequestStatus.FINISHED]
+        if req.status != RequestStatus.FINISHED:
+            going.append(req)
+        return [self._finish(c, reason, error=error, error_kind=error_kind) for c in going]
 
     def _finish(
         self,
@@ -379,7 +440,10 @@ class LanguageEngine:
             FinishReason.LENGTH,
         ):
             self.cache_manager.cache_prefix(req)
-        if req.status != RequestStatus.WAITING_FOR_EMBEDDINGS:
+        if req.status not in (
+            RequestStatus.WAITING_FOR_EMBEDDINGS,
+            RequestStatus.WAITING_FOR_FIRST_CHOICE,
+        ):
             self.scheduler.remove(req)
         if self.receiving.get(req.room) is req:  # its room is still in flight: drop it
             del self.receiving[req.room]
@@ -387,9 +451,17 @@ class LanguageEngine:
                 self.embedding_source.abort(req.room)
             req.room = 0  # nothing was delivered: nothing to release
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
-        self.requests.pop(req.request_id, None)
-        self._release_room(req.room)
-        return request_output(req, token_ids or [], text, error, error_kind)
+        out = request_output(req, token_ids or [], text, error, error_kind)
+        choices = self.choices.get(req.request_id, [])
+        if not any(c is req for c in choices):
+            choices = [req]
+        out.more_choices = any(c.status != RequestStatus.FINISHED for c in choices)
+        if not out.more_choices:  # the request's last choice: the request ends
+            if self.requests.get(req.request_id) is choices[0]:
+                del self.requests[req.request_id]
+                self.choices.pop(req.request_id, None)
+            self._release_room(choices[0].room)
+        return out
 
     def _release_room(self, room: int) -> None:
         """Give a delivered room's transfer blocks back (its image rows may be views of them)."""

@@ -54,4 +54,5 @@ def request_output(
         provenance=dict(req.inputs.provenance) if req.inputs is not None else {},
         error=error,
         error_kind=error_kind,
+        index=req.index,
     )

@@ -34,6 +34,9 @@ class RequestStatus(IntEnum):
     PREFILL = 2  # admitted; prompt chunks left to run
     DECODE = 3  # generating one token per step
     FINISHED = 4
+    # a choice other than the first of a request with ``n`` > 1: it waits for choice 0 to put
+    # the prompt into the radix cache, then shares it (see ``engine.py``)
+    WAITING_FOR_FIRST_CHOICE = 5
 
 
 class FinishReason(IntEnum):
@@ -85,17 +88,29 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token_ids, when asked
     # with the first token only: one per prompt token when asked (the first one's logprob NaN)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0  # the choice this output belongs to (0 .. n - 1)
+    more_choices: bool = False  # finished, while other choices of the request go on
 
     @property
     def finished(self) -> bool:
+        """Whether its choice finished."""
         return self.finish_reason != FinishReason.NONE
+
+    @property
+    def ends_request(self) -> bool:
+        """Whether it is its request's last output: every choice finished."""
+        return self.finished and not self.more_choices
 
 
 @dataclass(eq=False)
 class Request:
+    """One sequence: a request with ``n`` choices is ``n`` of them sharing ``request_id``,
+    choice ``index`` each (choice 0 receives and prefills the prompt; see ``engine.py``)."""
+
     request_id: str
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
+    index: int = 0
     inputs: PromptInputs | None = None  # None until its prompt's first tokens arrived
     num_prompt_tokens: int = 0  # the whole prompt's length (inputs may hold only a prefix)
     room: int = 0  # transfer room (0 = text-only / local inputs)
@@ -137,6 +152,17 @@ class Request:
         self.max_new_tokens = max_new_tokens
         self.sampler = SamplerState.create(self.params)
         self.update_inputs(inputs, vocab_size, image_keys)
+
+    def share_prompt(self, first: Request) -> None:
+        """Take the prompt of choice 0 (``first``), whose prefill completed: the same inputs
+        (its image rows included), radix key and prompt log-probabilities; the sequence then
+        matches all of the prompt but its last token in the radix cache."""
+        self.inputs, self.num_prompt_tokens = first.inputs, first.num_prompt_tokens
+        self.max_new_tokens = first.max_new_tokens
+        self.image_row_offsets, self.prompt_key = first.image_row_offsets, first.prompt_key
+        self.prompt_logprobs = list(first.prompt_logprobs)
+        self.arrival_time, self.inputs_time = first.arrival_time, first.inputs_time
+        self.sampler = SamplerState.create(self.params)
 
     def update_inputs(self, inputs: PromptInputs, vocab_size: int, image_keys: np.ndarray) -> None:
         """More of the prompt arrived: ``inputs`` holds it from its first token."""

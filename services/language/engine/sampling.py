@@ -26,6 +26,7 @@ from common.sampling_bounds import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
     MAX_REPETITION_PENALTY,
 )
 
@@ -91,8 +92,13 @@ class SamplingParams:
     # each prompt token's log-probability and this many most likely tokens at its position;
     # None = none (see ``Request.wants_prompt_logprobs``)
     prompt_logprobs: int | None = None
+    # choices of the request, each its own sequence over one shared prefill (``engine.py``);
+    # with a seed, choice i samples with seed + i
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):

@@ -59,6 +59,13 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
+    def add_first(self, reqs: list[Request]) -> None:
+        """Queue ``reqs`` ahead of the waiting ones, in order (choices of a request already
+        admitted, which reuse its prefill: see ``engine.py``)."""
+        for req in reversed(reqs):
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+
     def remove(self, req: Request) -> None:
         """Drop ``req`` from the queues and free its slots and locks (finish or abort)."""
         if req in self.running:
