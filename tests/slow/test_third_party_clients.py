@@ -6,16 +6,18 @@ Against one local stack (a gateway with HTTP, an encoder, a language worker, fp3
 checkpoint):
 
 * ``lm-eval`` ``local-completions``, a multiple-choice (log-likelihood) task: four documents of
-  three choices, written to ``tmp_path`` with their YAML, batched four prompts a request as token
-  ids, with ``echo``, ``logprobs: 1`` and ``max_tokens: 1``; every choice's log-likelihood it
-  reports equals transformers' sum over the continuation's tokens;
+  three choices, written to ``tmp_path`` with their YAML, sent with ``echo``, ``logprobs: 1``
+  and ``max_tokens: 1`` either as token ids four prompts a request, or as text two requests at
+  a time; every choice's log-likelihood it reports equals transformers' sum over the
+  continuation's tokens;
 * ``lm-eval`` ``local-chat-completions`` with ``--apply_chat_template``, a generate-until task:
   each answer is transformers' greedy continuation of the same chat, cut at the stop string;
 * ``aiperf profile`` with ``--endpoint-type chat`` (one synthetic 448x448 image a request) and
   ``completions`` (text), streamed, 48 requests at concurrency 8: none failed.
 
 Each lm-eval run allows no retry (``max_retries=1``): it must exit 0, write its results, and log
-no failed or retried request.
+no failed or retried request. Around every run the gateway's outcome counters grow only by HTTP
+requests that ended OK (aiperf's: its 48 and its 4 warm-up ones).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from bench.peers.install_lm_eval import ensure_lm_eval
 from bench.peers.workloads import MAX_TOKENS
 from common.models.hf_reference import HFReference
 from tests.e2e.conftest import Stack
-from tests.http.conftest import start_http_stack
+from tests.http.conftest import outcomes, start_http_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -75,6 +77,22 @@ def reference(tiny_model_dir) -> HFReference:
     return HFReference(tiny_model_dir(ARCH))
 
 
+def served_since(stack: Stack, before: dict[tuple[str, str], float], expect: int = 0) -> int:
+    """How many requests the gateway finished since ``before`` (its outcome counters; waits up
+    to 10 s for ``expect`` of them, the last may be counted just after its answer went out),
+    after checking that every one of them was an HTTP request that ended OK."""
+
+    def grown() -> dict[tuple[str, str], float]:
+        after = outcomes(stack)
+        return {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
+
+    deadline = time.monotonic() + 10
+    while (now := grown()).get(("OK", "http"), 0) < expect and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert set(now) <= {("OK", "http")}, now
+    return int(now.get(("OK", "http"), 0))
+
+
 # ---- lm-eval --------------------------------------------------------------------------------
 
 
@@ -88,10 +106,14 @@ def write_task(folder: Path, name: str, docs: list[dict], spec: dict) -> None:
     (folder / f"{name}.yaml").write_text(json.dumps(task, indent=1))
 
 
-def run_lm_eval(tmp_path: Path, model_type: str, model_args: dict, task: str, *extra: str):
-    """One ``lm-eval run`` of ``task`` (from ``tmp_path``); returns (its log, its results JSON,
-    its per-document samples), after checking it exited 0 and logged no client trouble."""
+def run_lm_eval(
+    stack: Stack, tmp_path: Path, model_type: str, model_args: dict, task: str, *extra: str
+):
+    """One ``lm-eval run`` of ``task`` (from ``tmp_path``) against ``stack``; returns (its
+    results JSON, its per-document samples), after checking it exited 0, logged no client
+    trouble, and that the gateway answered each of its requests OK."""
     command = installed(ensure_lm_eval, "lm-eval")
+    before = outcomes(stack)
     args = ",".join(f"{k}={v}" for k, v in model_args.items())
     out, log = tmp_path / f"out-{task}", tmp_path / f"{task}.log"
     argv = [str(command), "run", "--model", model_type, "--model_args", args, "--tasks", task,
@@ -103,16 +125,18 @@ def run_lm_eval(tmp_path: Path, model_type: str, model_args: dict, task: str, *e
     with open(log, "wb") as sink:
         rc = subprocess.run(argv, stdout=sink, stderr=subprocess.STDOUT, env=env,
                             cwd=tmp_path, timeout=LM_EVAL_TIMEOUT_S).returncode  # fmt: skip
+    took = time.monotonic() - started
     text = log.read_text(errors="replace")
-    print(f"lm-eval {model_type} {task}: exit {rc} in {time.monotonic() - started:.1f}s")
+    print(f"lm-eval {model_type} {task}: exit {rc} in {took:.1f}s")
     assert rc == 0, text[-4000:]
+    print(f"  {served_since(stack, before)} requests served OK")
     trouble = [line for line in text.splitlines() if CLIENT_TROUBLE.search(line)]
     assert not trouble, trouble
     results = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
     assert len(results) == 1, list(out.rglob("*"))
     samples = [json.loads(line) for p in out.rglob(f"samples_{task}_*.jsonl")
                for line in p.read_text().splitlines()]  # fmt: skip
-    return text, results[0], samples
+    return results[0], samples
 
 
 @torch.no_grad()
@@ -129,8 +153,20 @@ def continuation_logprob(ref: HFReference, context: str, continuation: str) -> f
     return sum(float(logprobs[i - 1, whole[i]]) for i in range(len(context_ids), len(whole)))
 
 
-def test_lm_eval_loglikelihood_through_completions(stack, reference, tiny_model_dir, tmp_path):
+# how lm-eval sends its log-likelihood requests: token ids, four prompts a request, one request
+# at a time; or text, one prompt a request, two requests at a time (its aiohttp path)
+LOGLIKELIHOOD_MODES = {
+    "token-ids-batched": ({"tokenized_requests": True}, ("--batch_size", "4")),
+    "text-concurrent": ({"tokenized_requests": False, "num_concurrent": 2}, ()),
+}
+
+
+@pytest.mark.parametrize("mode", LOGLIKELIHOOD_MODES)
+def test_lm_eval_loglikelihood_through_completions(
+    stack, reference, tiny_model_dir, tmp_path, mode
+):
     model_dir = tiny_model_dir(ARCH)
+    mode_args, extra = LOGLIKELIHOOD_MODES[mode]
     spec = {"output_type": "multiple_choice", "doc_to_text": "{{question}}",
             "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}",
             "metric_list": [{"metric": "acc", "aggregation": "mean",
@@ -138,9 +174,9 @@ def test_lm_eval_loglikelihood_through_completions(stack, reference, tiny_model_
     write_task(tmp_path, "epd_tiny_mc", MC_DOCS, spec)
     model_args = {"model": model_dir.name, "base_url": f"{stack.http_url}/v1/completions",
                   "tokenizer": model_dir, "tokenizer_backend": "huggingface",
-                  "tokenized_requests": True, "max_retries": 1}  # fmt: skip
-    _, results, samples = run_lm_eval(
-        tmp_path, "local-completions", model_args, "epd_tiny_mc", "--batch_size", "4"
+                  "max_retries": 1, **mode_args}  # fmt: skip
+    results, samples = run_lm_eval(
+        stack, tmp_path, "local-completions", model_args, "epd_tiny_mc", *extra
     )
     assert "acc,none" in results["results"]["epd_tiny_mc"]
     assert len(samples) == len(MC_DOCS)
@@ -162,9 +198,10 @@ def test_lm_eval_generate_until_through_chat(stack, reference, tiny_model_dir, t
     write_task(tmp_path, "epd_tiny_gen", GEN_DOCS, spec)
     model_args = {"model": model_dir.name, "base_url": f"{stack.http_url}/v1/chat/completions",
                   "max_retries": 1, "eos_string": "<|im_end|>"}  # fmt: skip
-    _, results, samples = run_lm_eval(
-        tmp_path, "local-chat-completions", model_args, "epd_tiny_gen", "--apply_chat_template"
-    )
+    results, samples = run_lm_eval(
+        stack, tmp_path, "local-chat-completions", model_args, "epd_tiny_gen",
+        "--apply_chat_template",
+    )  # fmt: skip
     assert "exact_match,none" in results["results"]["epd_tiny_gen"]
     assert len(samples) == len(GEN_DOCS)
     for sample in samples:
@@ -184,11 +221,14 @@ def test_aiperf_has_no_failed_requests(stack, tiny_model_dir, tmp_path, endpoint
     command = installed(ensure_aiperf, "aiperf")
     argv = aiperf.command(command, stack.http_url, model_dir.name, model_dir, tmp_path,
                           endpoint=endpoint)  # fmt: skip
-    started = time.monotonic()
+    before, started = outcomes(stack), time.monotonic()
     result = aiperf.run_aiperf(argv, tmp_path)
+    took = time.monotonic() - started
+    served = served_since(stack, before, aiperf.REQUESTS + aiperf.WARMUP)
     export = json.loads((tmp_path / aiperf.EXPORT).read_text())
     print(f"aiperf {endpoint}: {result.requests} requests, {result.error_rate_pct}% errors, "
-          f"{result.requests_per_s:.1f} req/s, {time.monotonic() - started:.1f}s")  # fmt: skip
+          f"{result.requests_per_s:.1f} req/s, {took:.1f}s; {served} served OK")  # fmt: skip
+    assert served == aiperf.REQUESTS + aiperf.WARMUP
     assert (result.requests, result.error_rate_pct, result.errors) == (aiperf.REQUESTS, 0.0, [])
     assert export["completed_request_count"]["avg"] == aiperf.REQUESTS
     assert export.get("is_complete", True) and not export.get("was_cancelled", False)
