@@ -33,7 +33,7 @@ def ensure_lm_eval(venv: Path = VENV) -> Path:
     stale."""
     if venvs.is_current(venv, RECIPE):
         return lm_eval_command(venv)
-    venvs.say(f"installing {LM_EVAL} into {venv} (a minute or two, ~1 GB)")
+    venvs.say(f"installing {LM_EVAL} into {venv} (a minute or two, ~1.8 GB)")
     python = venvs.fresh_venv(venv)
     venvs.pip(python, "install", "-q", TORCH)
     venvs.pip(python, "install", "-q", TORCH, LM_EVAL, TRANSFORMERS)

@@ -1,6 +1,6 @@
 """The OpenAI API as clients none of us wrote use it: EleutherAI's ``lm-eval`` and NVIDIA's
 ``aiperf``, each from a venv of its own under ``.peers/`` (``make test-slow``; the first run
-installs them, ~1 GB each, a minute or two; skipped only when pip cannot install them).
+installs them, 1.8 and 1.2 GB, a minute or two each; skipped only when pip cannot install them).
 
 Against one local stack (a gateway with HTTP, an encoder, a language worker, fp32, on the test
 checkpoint):
