@@ -6,8 +6,9 @@ Same checkpoint, same dtype, same client, same run. ``python -m bench.peers`` (o
 with one async streaming OpenAI client, alternating between them cell by cell.
 
 Modules, one job each: ``venvs`` (venv + stamp helpers), ``install_vllm`` / ``install_aiperf``
-(the installers), ``vllm_server`` (starts and stops ``vllm serve``), ``ours`` (our local stack),
-``dtypes`` (what ``auto`` means), ``workloads`` (request bodies), ``client`` (the streaming
-client), ``stats`` (aggregation), ``aiperf`` (a run of NVIDIA's ``aiperf``), ``table``
-(printing) and ``driver`` (the whole benchmark).
+/ ``install_lm_eval`` (the installers; lm-eval, like aiperf, also runs in
+``tests/slow/test_third_party_clients.py``), ``vllm_server`` (starts and stops ``vllm serve``),
+``ours`` (our local stack), ``dtypes`` (what ``auto`` means), ``workloads`` (request bodies),
+``client`` (the streaming client), ``stats`` (aggregation), ``aiperf`` (a run of NVIDIA's
+``aiperf``), ``table`` (printing) and ``driver`` (the whole benchmark).
 """

@@ -8,6 +8,8 @@ only reads the Hub cache). Its artifacts go to the given folder; the figures are
 its ``profile_export_aiperf.json``. aiperf's "inter token latency" is each request's mean
 gap, (last token - first) / (tokens - 1): ``tpot`` here; its "inter chunk latency" (the gaps
 between streamed chunks) is ``itl``, as in our client (one token per chunk from both servers).
+``command(..., endpoint="completions")`` drives the legacy endpoint with the same text part and
+no image (``tests/slow/test_third_party_clients.py`` runs both against a local stack).
 """
 
 from __future__ import annotations
@@ -54,15 +56,22 @@ def command(
     artifact_dir: Path,
     concurrency: int = CONCURRENCY,
     requests: int = REQUESTS,
+    endpoint: str = "chat",
+    warmup: int = WARMUP,
 ) -> list[str]:
+    """``aiperf profile`` of the workload above; ``endpoint`` "chat" (an image per request) or
+    "completions" (the legacy endpoint: text prompts only)."""
+    if endpoint not in ("chat", "completions"):
+        raise ValueError(f"endpoint must be chat or completions, got {endpoint!r}")
     side = str(IMAGE_SIDE)
+    images = ["--image-batch-size", "1", "--image-format", "png",
+              "--image-width-mean", side, "--image-width-stddev", "0",
+              "--image-height-mean", side, "--image-height-stddev", "0"]  # fmt: skip
     return [str(aiperf), "profile", "--model", model, "--url", url,
-            "--endpoint-type", "chat", "--streaming", "--tokenizer", str(tokenizer),
+            "--endpoint-type", endpoint, "--streaming", "--tokenizer", str(tokenizer),
             "--concurrency", str(concurrency), "--request-count", str(requests),
-            "--warmup-request-count", str(WARMUP),
-            "--image-batch-size", "1", "--image-format", "png",
-            "--image-width-mean", side, "--image-width-stddev", "0",
-            "--image-height-mean", side, "--image-height-stddev", "0",
+            "--warmup-request-count", str(warmup),
+            *(images if endpoint == "chat" else []),
             "--prompt-input-tokens-mean", str(PROMPT_TOKENS), "--prompt-input-tokens-stddev", "0",
             "--output-tokens-mean", str(MAX_TOKENS), "--output-tokens-stddev", "0",
             "--extra-inputs", "ignore_eos:true", "--use-server-token-count",

@@ -1,4 +1,4 @@
-"""Venvs of their own for the peers (vLLM, aiperf), idempotent through a stamp file.
+"""Venvs of their own for the peers (vLLM, aiperf, lm-eval), idempotent through a stamp file.
 
 A peer never goes into the project's ``.venv``: vLLM pins its own torch, torchvision and
 transformers. Each venv lives under ``.peers/`` at the repository root (git-ignored); its stamp

@@ -378,6 +378,12 @@ def test_aiperf_export_and_command(tmp_path) -> None:
         "--use-server-token-count",
     ):
         assert flag in joined
+    text = " ".join(aiperf.command(tmp_path / "aiperf", "http://h:1", "m", tmp_path, tmp_path,
+                                   endpoint="completions", warmup=1))  # fmt: skip
+    assert "--endpoint-type completions" in text and "--warmup-request-count 1" in text
+    assert "--image" not in text and "--output-tokens-mean 32" in text
+    with pytest.raises(ValueError, match="chat or completions"):
+        aiperf.command(tmp_path, "http://h:1", "m", tmp_path, tmp_path, endpoint="embeddings")
 
 
 def test_vllm_command_line_and_environment(tmp_path) -> None:
