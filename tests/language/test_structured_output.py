@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import numpy as np
 import pytest
 import torch
 
-from services.language.engine.grammar import apply_masks
+from services.language.engine.grammar import Guide
 from services.language.engine.request import ErrorKind, FinishReason, RequestError
-from services.language.engine.sampling import SamplingParams, StructuredOutput
+from services.language.engine.sampling import (
+    NoAllowedTokenError,
+    SamplerState,
+    SamplingParams,
+    StructuredOutput,
+    sample,
+)
 from tests.conftest import ARCHS
 from tests.language.conftest import run_to_completion, tokens_of
 
@@ -53,30 +60,47 @@ def _run(engine, structured, prompt="say something", max_new_tokens=48, **kw):
     return "".join(o.text for o in outs), outs
 
 
-def test_masks_match_a_plain_reference():
+class _Known:
+    """A matcher whose mask is known (the Guide's own bookkeeping on top of it is tested)."""
+
+    def __init__(self, mask: bytes) -> None:
+        self.mask = mask
+
+    def compute_bitmask(self) -> bytes:
+        return self.mask
+
+
+def test_guide_reads_its_mask_as_a_plain_reference_does():
     rng = np.random.default_rng(0)
-    vocab, nbytes = 70, 9  # the last byte only partly used, as with a real vocabulary
-    logits = torch.tensor(rng.normal(size=(4, vocab)), dtype=torch.float32)
-    raw = logits.clone()
-    masks = [torch.tensor(rng.integers(0, 256, (1, nbytes)), dtype=torch.uint8) for _ in range(2)]
-
-    class Fixed:  # a guide whose mask is known
-        def __init__(self, mask):
-            self._mask = mask
-
-        def mask(self):
-            return self._mask
-
-    out = apply_masks(logits, [1, 3], [Fixed(m) for m in masks])
-    assert torch.equal(logits, raw), "the model's logits must stay as they were"
-    for row in (0, 2):
-        assert torch.equal(out[row], raw[row])
-    for row, mask in zip((1, 3), masks, strict=True):
-        byte_values = mask[0].tolist()
+    vocab = 70  # the last byte only partly used, as with a real vocabulary
+    mask = bytes(rng.integers(0, 256, 9, dtype=np.uint8))
+    with ThreadPoolExecutor(1) as pool:
+        guide = Guide(_Known(mask), pool)
+        row = torch.tensor(rng.normal(size=vocab), dtype=torch.float32)
+        constrained = guide.constrain(row.clone())
         for t in range(vocab):
-            allowed = (byte_values[t // 8] >> (t % 8)) & 1
-            assert out[row, t].item() == (raw[row, t].item() if allowed else float("-inf"))
-    assert apply_masks(logits, [], []) is logits
+            allowed = (mask[t // 8] >> (t % 8)) & 1
+            assert guide.allows(t) == bool(allowed)
+            assert constrained[t].item() == (row[t].item() if allowed else float("-inf"))
+        assert not guide.allows(9 * 8)  # past the mask
+
+
+def test_sampler_keeps_an_allowed_maximum_and_otherwise_draws_within_the_language():
+    vocab = 16
+    logits = torch.zeros(3, vocab)
+    logits[:, 5] = 3.0  # every row's maximum is token 5
+    logits[:, 9] = 2.0
+    only_9 = bytes([0, 0b10])  # token 9 alone
+    with ThreadPoolExecutor(1) as pool:
+        allow_5 = Guide(_Known(bytes([0b100000, 0])), pool)
+        allow_9 = Guide(_Known(only_9), pool)
+        greedy = SamplerState.create(SamplingParams())
+        hot = SamplerState.create(SamplingParams(temperature=1.0, seed=1))
+        tokens = sample(logits, [greedy, greedy, hot], [allow_5, allow_9, allow_9])
+        assert tokens == [5, 9, 9]
+        nothing = Guide(_Known(bytes(2)), pool)
+        (error,) = sample(logits[:1], [greedy], [nothing])
+        assert isinstance(error, NoAllowedTokenError)
 
 
 def test_every_kind_of_language(engine):

@@ -31,7 +31,7 @@ from common.compute import resolve_compute
 from services.language.config import LanguageConfig
 from services.language.engine.cache_manager import CacheManager
 from services.language.engine.detokenizer import IncrementalDetokenizer
-from services.language.engine.grammar import Grammars, Guide, apply_masks
+from services.language.engine.grammar import Grammars, Guide
 from services.language.engine.intake import Limits, check_inputs, check_sampling
 from services.language.engine.model_runner import ModelRunner, RunResult
 from services.language.engine.outputs import EngineLoad, request_output
@@ -342,8 +342,8 @@ class LanguageEngine:
             # the raw ``result.logits`` stay the model's: log-probabilities are taken from them
             eos_ids = self.model_config.eos_token_ids
             logits = process_logits(result.logits, [c.req for c in sampled], eos_ids)
-            logits = self._constrained(logits, sampled, owned=logits is not result.logits)
-            tokens = sample(logits, [c.req.sampler for c in sampled])
+            guides = [c.req.guide for c in sampled]
+            tokens = sample(logits, [c.req.sampler for c in sampled], guides)
         for chunk in result.chunks:
             chunk.req.num_computed = chunk.end
         for row, (chunk, token) in enumerate(zip(sampled, tokens, strict=True)):
@@ -368,15 +368,10 @@ class LanguageEngine:
             except Exception as exc:  # e.g. the tokenizer rejects the token: this request only
                 logger.exception("request %s failed after sampling", req.request_id)
                 outputs += self._fail(req, ErrorKind.FAILED, f"output failed: {exc}")
+        self.grammars.prepare_masks(
+            [c.req.guide for c in sampled if c.req.guide and c.req.status != RequestStatus.FINISHED]
+        )
         return outputs
-
-    @staticmethod
-    def _constrained(logits: torch.Tensor, sampled: list, owned: bool) -> torch.Tensor:
-        """``logits`` with structured output's masks on the rows that have one: written in
-        place when ``owned`` (a copy the penalties made), else into a copy (log-probabilities
-        stay the model's)."""
-        guided = [(row, c.req.guide) for row, c in enumerate(sampled) if c.req.guide is not None]
-        return apply_masks(logits, [row for row, _ in guided], [g for _, g in guided], owned)
 
     def _prompt_logprobs(self, req: Request) -> list[TokenLogprob]:
         """Every prompt token's entry, the first one's without a logprob (NaN)."""

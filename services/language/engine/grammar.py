@@ -2,15 +2,16 @@
 
 A request with a ``StructuredOutput`` (a JSON schema, any JSON object, a regex, a choice of
 strings, or a Lark / GBNF grammar) gets a ``Guide``: an llguidance matcher over the checkpoint's
-tokenizer, advanced by every token the request generates. Before each draw the sampler sets the
-logits of every token the language does not allow to -inf (``apply_masks``, one batched
-operation over the guided rows), and the request ends with ``STOP`` once the language allows
-nothing more.
+tokenizer, advanced by every token the request generates. The sampler (``sampling.sample``) asks
+it before each draw: a greedy row keeps the batch's row maximum when the language allows that
+token (one bit to read: the common case, e.g. inside a JSON string), and otherwise, like every
+sampled row, draws from its row with the forbidden tokens at -inf (``Guide.constrain``). The
+request ends with ``STOP`` once the language allows nothing more.
 
-The mask for a request's next token is computed on the ``Grammars`` worker thread as soon as
-the previous token is known (llguidance drops the GIL while it computes), so it overlaps the
-next forward instead of adding to the step; ``apply_masks`` only waits for masks not done by
-then.
+The masks of the next tokens are computed on the ``Grammars`` worker thread, one job per step
+for every guided request, as soon as the step's tokens are known (llguidance drops the GIL while
+it computes), so they overlap the next forward instead of adding to the step; ``apply_masks``
+only waits for masks not done by then.
 
 Compiling a grammar (parsing it, building its lexer) is done once per distinct specification:
 compiled matchers are kept in an LRU and each request starts from a copy of one.
@@ -81,34 +82,54 @@ class Guide:
 
     def __init__(self, matcher, executor: ThreadPoolExecutor) -> None:
         self._matcher = matcher
-        self._executor = executor
-        self._mask: torch.Tensor | None = None
-        self._pending: Future | None = None
-        self._prepare()
+        self._bits = b""  # the next token's mask, as llguidance computes it
+        self._stale = False  # advanced since: the mask is to be computed (``prepare_masks``)
+        self._pending: Future | None = executor.submit(self._compute)
 
-    def _prepare(self) -> None:
-        self._pending = self._executor.submit(self._matcher.compute_bitmask)
+    def _compute(self) -> None:
+        self._bits = self._matcher.compute_bitmask()  # drops the GIL while it works
 
-    def mask(self) -> torch.Tensor:
-        """[1, bytes] uint8: bit ``t % 8`` of byte ``t // 8`` set where token t is allowed
-        next (waits for it to be computed)."""
+    def _mask(self) -> bytes:
+        """The next token's mask: bit ``t % 8`` of byte ``t // 8`` is set where token ``t`` is
+        allowed (waits for it to be computed; computes it here if nobody asked for it)."""
         if self._pending is not None:
-            bits = self._pending.result()
-            self._mask = torch.frombuffer(bytearray(bits), dtype=torch.uint8).unsqueeze(0)
+            self._pending.result()
             self._pending = None
-        return self._mask
+        if self._stale:
+            self._compute()
+            self._stale = False
+        return self._bits
+
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next."""
+        bits = self._mask()
+        return token >> 3 < len(bits) and bool(bits[token >> 3] >> (token & 7) & 1)
+
+    def constrain(self, row: torch.Tensor) -> torch.Tensor:
+        """A copy of ``row`` [vocab] (CPU) with every token that may not come next at -inf."""
+        mask = np.frombuffer(self._mask(), dtype=np.uint8)
+        allowed = np.unpackbits(mask, bitorder="little", count=row.shape[0])
+        return row.masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
 
     def advance(self, token: int) -> bool:
         """Take the sampled ``token``; returns whether the language is complete (nothing
-        more may follow). Raises ValueError when the token is not in the language."""
-        self.mask()  # never advance while the mask is being computed
+        more may follow). Raises ValueError when the token is not in the language. The next
+        mask is computed later, by ``prepare_masks`` (or ``mask``)."""
+        if self._pending is not None:  # never advance while the mask is being computed
+            self._pending.result()
+            self._pending = None
         if not self._matcher.consume_token(token) or self._matcher.is_error():
             raise ValueError(f"token {token} is outside the structured output's language: "
                              f"{self._matcher.get_error()}")  # fmt: skip
         if self._matcher.is_stopped():
             return True
-        self._prepare()
+        self._stale = True
         return False
+
+
+def _compute_all(guides: list[Guide]) -> None:
+    for guide in guides:
+        guide._compute()
 
 
 class Grammars:
@@ -170,31 +191,16 @@ class Grammars:
             self._compiled.popitem(last=False)
         return template
 
+    def prepare_masks(self, guides: list[Guide]) -> None:
+        """Start computing the next mask of every guide in ``guides`` that advanced: one job on
+        the worker thread for all of them (one hand-off per step), done while the next forward
+        runs."""
+        stale = [g for g in guides if g._stale]
+        if not stale:
+            return
+        future = self._executor.submit(_compute_all, stale)
+        for guide in stale:
+            guide._pending, guide._stale = future, False
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def apply_masks(
-    logits: torch.Tensor, rows: list[int], guides: list[Guide], owned: bool = False
-) -> torch.Tensor:
-    """``logits`` [S, vocab] with the tokens each guided row's language forbids at -inf: a new
-    tensor when ``rows`` is not empty (the caller's logits stay the model's, for
-    log-probabilities) unless ``owned`` says ``logits`` is already a private copy to write
-    into; ``logits`` itself when ``rows`` is empty.
-
-    NOTE: as ``x * allowed + log(allowed)`` in one ``addcmul`` (``log`` written as
-    ``(allowed - 1) / allowed``: 0 or -inf): a third of ``masked_fill``'s time on this
-    vocabulary, and a NaN or +inf logit anywhere in a row still makes the row non-finite (the
-    sampler's check), masked or not.
-    """
-    if not rows:
-        return logits
-    masks = torch.cat([g.mask() for g in guides]).numpy()  # [k, bytes] uint8
-    vocab = logits.shape[1]
-    # token 8 * b + j is bit j of byte b
-    bits = np.unpackbits(masks, axis=1, bitorder="little", count=vocab)
-    allowed = torch.from_numpy(bits).to(device=logits.device, dtype=logits.dtype)
-    index = torch.tensor(rows, device=logits.device)
-    out = logits if owned else logits.clone()
-    out[index] = torch.addcmul((allowed - 1) / allowed, logits[index], allowed)
-    return out

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -256,30 +257,59 @@ class NonFiniteLogitsError(ValueError):
     """The model produced NaN or +inf logits for one request (e.g. from its image rows)."""
 
 
-def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int | Exception]:
+class Constraint(Protocol):
+    """What a row's next token must satisfy (structured output's ``grammar.Guide``)."""
+
+    def allows(self, token: int) -> bool: ...
+
+    def constrain(self, row: torch.Tensor) -> torch.Tensor: ...
+
+
+class NoAllowedTokenError(ValueError):
+    """Every token the row's constraint allows has a logit of -inf."""
+
+
+def sample(
+    logits: torch.Tensor,
+    states: list[SamplerState],
+    constraints: Sequence[Constraint | None] | None = None,
+) -> list[int | Exception]:
     """One token per row of ``logits`` [S, vocab] (any float dtype, any device), or the
-    exception that row raised.
+    exception that row raised; ``constraints[i]`` (when given) limits row ``i``'s tokens.
 
     Greedy rows need only the row maxima: one reduction on the logits' device, and only
-    ``[S]`` values move to the CPU; a row is copied over (as float32) only to be sampled. A row's
-    failure (a NaN or +inf logit, a sampler error) is that request's alone: the other rows are
-    sampled as usual.
+    ``[S]`` values move to the CPU; a constrained greedy row keeps its maximum when the
+    constraint allows it (the first maximum of the whole row is then the first of the allowed
+    ones). A row is copied over (as float32) only to be sampled or constrained. A row's failure
+    (a NaN or +inf logit, no allowed token, a sampler error) is that request's alone: the other
+    rows are sampled as usual.
     """
     best_values, best = row_max(logits)
     finite = torch.isfinite(best_values).tolist()
     greedy = best.tolist()
     out: list[int | Exception] = []
     for i, (state, ok, token) in enumerate(zip(states, finite, greedy, strict=True)):
+        constraint = constraints[i] if constraints else None
         if not ok:
             out.append(NonFiniteLogitsError("the model produced non-finite logits (NaN or +inf)"))
-        elif state.params.temperature == 0:
+        elif state.params.temperature == 0 and (constraint is None or constraint.allows(token)):
             out.append(token)
         else:
             try:
-                out.append(state.sample(logits[i].float().cpu()))
+                out.append(_draw(logits[i].float().cpu(), state, constraint))
             except Exception as exc:  # isolated to this request
                 out.append(exc)
     return out
+
+
+def _draw(row: torch.Tensor, state: SamplerState, constraint: Constraint | None) -> int:
+    if constraint is not None:
+        row = constraint.constrain(row)
+        if row.max() == float("-inf"):
+            raise NoAllowedTokenError("no token the structured output allows has a finite logit")
+        if state.params.temperature == 0:
+            return int(row.argmax())
+    return state.sample(row)
 
 
 class TopLogprob(NamedTuple):
