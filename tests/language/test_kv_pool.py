@@ -165,9 +165,9 @@ def test_bf16_compute_on_cpu_end_to_end(harness, arch, monkeypatch):
     captured = []
     real_sample = engine_module.sample
 
-    def recording(logits, states):
+    def recording(logits, states, constraints=None):
         captured.append(logits.clone())
-        return real_sample(logits, states)
+        return real_sample(logits, states, constraints)
 
     monkeypatch.setattr(engine_module, "sample", recording)
     first_logits = {}
