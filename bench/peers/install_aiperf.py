@@ -6,7 +6,6 @@ A venv of its own: aiperf pins its own transformers and friends. Idempotent thro
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,13 +23,8 @@ def aiperf_command(venv: Path = VENV) -> Path:
 def ensure_aiperf(venv: Path = VENV) -> Path:
     """The ``aiperf`` command of a working venv at ``venv``, building it when missing or
     stale."""
-    if venvs.is_current(venv, RECIPE):
-        return aiperf_command(venv)
-    venvs.say(f"installing {AIPERF} into {venv} (a minute or two, ~1.2 GB)")
-    python = venvs.fresh_venv(venv)
-    venvs.pip(python, "install", "-q", AIPERF)
-    subprocess.run([str(aiperf_command(venv)), "--version"], check=True, capture_output=True)
-    venvs.mark_current(venv, RECIPE)
+    what = f"{AIPERF} (a minute or two, ~1.2 GB)"
+    venvs.ensure(venv, RECIPE, what, [[AIPERF]], ["aiperf", "--version"])
     return aiperf_command(venv)
 
 

@@ -11,7 +11,6 @@ context's length is counted in them). Idempotent through a stamp;
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,15 +30,10 @@ def lm_eval_command(venv: Path = VENV) -> Path:
 def ensure_lm_eval(venv: Path = VENV) -> Path:
     """The ``lm_eval`` command of a working venv at ``venv``, building it when missing or
     stale."""
-    if venvs.is_current(venv, RECIPE):
-        return lm_eval_command(venv)
-    venvs.say(f"installing {LM_EVAL} into {venv} (a minute or two, ~1.8 GB)")
-    python = venvs.fresh_venv(venv)
-    venvs.pip(python, "install", "-q", TORCH)
-    venvs.pip(python, "install", "-q", TORCH, LM_EVAL, TRANSFORMERS)
-    code = "import lm_eval.models.openai_completions, transformers"
-    subprocess.run([str(python), "-c", code], check=True, capture_output=True)
-    venvs.mark_current(venv, RECIPE)
+    what = f"{LM_EVAL} (a minute or two, ~1.8 GB)"
+    installs = [[TORCH], [TORCH, LM_EVAL, TRANSFORMERS]]
+    check = ["python", "-c", "import lm_eval.models.openai_completions, transformers"]
+    venvs.ensure(venv, RECIPE, what, installs, check)
     return lm_eval_command(venv)
 
 

@@ -63,3 +63,20 @@ def mark_current(venv: Path, recipe: str) -> None:
 def say(lines: Sequence[str] | str) -> None:
     text = lines if isinstance(lines, str) else "\n".join(lines)
     print(text, file=sys.stderr, flush=True)
+
+
+def ensure(venv: Path, recipe: str, what: str, installs: Sequence[Sequence[str]],
+           check: Sequence[str]) -> Path:  # fmt: skip
+    """The python of a working venv at ``venv`` built from ``recipe``: when missing or stale,
+    a fresh one gets each of ``installs`` (``pip install -q`` arguments) in order, then
+    ``check`` must run (its first word a command of the venv's ``bin``)."""
+    if is_current(venv, recipe):
+        return venv_python(venv)
+    say(f"installing {what} into {venv}")
+    python = fresh_venv(venv)
+    for packages in installs:
+        pip(python, "install", "-q", *packages)
+    command = [str(venv / "bin" / check[0]), *check[1:]]
+    subprocess.run(command, check=True, capture_output=True)
+    mark_current(venv, recipe)
+    return python
