@@ -142,6 +142,31 @@ def test_echo_with_logprobs_puts_the_prompt_first(http_stack, client, model) -> 
     assert [o for p in parts for o in p.text_offset] == lp.text_offset
 
 
+def test_echo_with_max_tokens_0_is_the_prompt_alone(http_stack, client, model) -> None:
+    """The scoring idiom: the prompt's text and log-probabilities, nothing generated."""
+    text = f"Score this prompt {uuid.uuid4().hex[:6]}"
+    ask = dict(model=model, prompt=text, max_tokens=0, echo=True, logprobs=1)
+    reply = client.completions.create(**ask)
+    choice = reply.choices[0]
+    assert choice.text == text and choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == reply.usage.prompt_tokens
+    assert choice.logprobs.token_logprobs[0] is None
+    expected = grpc_raw(http_stack, text, 1, prompt_logprobs=1)
+    for got, want in zip(
+        choice.logprobs.token_logprobs[1:], expected.prompt_logprobs[1:], strict=True
+    ):
+        assert math.isclose(got, want.logprob, abs_tol=1e-4)
+    chunks = list(
+        client.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as info:  # without echo, 0 is no request
+        client.completions.create(model=model, prompt=text, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
 def test_logprobs_without_echo_and_prompt_logprobs_extension(client, model) -> None:
     text = f"Hello world {uuid.uuid4().hex[:6]}"
     reply = client.completions.create(

@@ -46,7 +46,7 @@ from services.gateway.http import schemas
 from services.gateway.http.bridge import ChunkPump, MergedPump
 from services.gateway.http.choices import ChoicesWriter
 from services.gateway.http.completion_replies import CompletionWriter
-from services.gateway.http.completions import to_completion_requests
+from services.gateway.http.completions import prompt_only, to_completion_requests
 from services.gateway.http.convert import (
     FieldNames,
     check_model,
@@ -203,7 +203,8 @@ def create_app(ctx: HttpContext) -> ASGIApp:
             writers = [CompletionWriter(head, include_usage, ask, i) for i in range(num_choices)]
             return ChoicesWriter(writers, request_ids, n, include_usage)
 
-        return _answer(ctx, request, body, protos, names, model, timeout_s, "cmpl", writer)
+        rewrite = prompt_only if ask.prompt_only else None
+        return _answer(ctx, request, body, protos, names, model, timeout_s, "cmpl", writer, rewrite)
 
     @app.get("/v1/models", response_model=schemas.ModelList, responses=ERRORS)
     async def list_models() -> Response:
@@ -266,6 +267,7 @@ def _answer(
     timeout_s: float | None,
     id_prefix: str,
     make_writer: Callable[[Head, bool, list[str]], AnswerWriter],
+    rewrite: Callable[[Iterator], Iterator] | None = None,
 ) -> Response:
     """Admit ``protos`` (one request each; a refusal of one cancels those admitted before it)
     and answer them (JSON, or events with ``stream``) in ``make_writer``'s shapes; the answer's
@@ -282,6 +284,8 @@ def _answer(
                 pump.close()
             raise from_gateway(exc, names) from None
         chunks = ctx.front_door.run(proto, admitted, timeout_s, Api.HTTP)
+        if rewrite is not None:
+            chunks = rewrite(chunks)
         pumps.append(ChunkPump(chunks, admitted.cancel, ctx.executor))
         request_ids.append(admitted.request_id)
     answer_id = request_ids[0] if len(protos) == 1 else protos[0].request_id.rsplit("-", 1)[0]

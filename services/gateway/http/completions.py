@@ -4,21 +4,22 @@ A prompt is a text (tokenized by the language worker without the chat template) 
 token ids; a list of several prompts becomes one request per prompt (choice ``i`` answers
 prompt ``i``; they are ``R-0``, ``R-1``, ... of the answer's id ``R``: ``X-Request-Id`` or one
 drawn here); with ``n`` each has ``n`` choices, numbered ``i * n + j`` in the answer.
-``logprobs`` (0..5) asks for each token's log-probability and that many top
-tokens; with ``echo`` the prompt's tokens come first, which needs the prompt's
-log-probabilities from the worker (``sampling.prompt_logprobs``). ``prompt_logprobs`` is vLLM's
-extension. Checked here with a 400 naming the field: what only this endpoint has (``prompt``'s
-shape, ``suffix``, ``best_of``, ``logprobs``' bound); every other bound is the gateway's
-validation's, as for chat.
+``logprobs`` (0..5) asks for each token's log-probability and that many top tokens; with
+``echo`` the prompt's tokens come first, which needs the prompt's log-probabilities from the
+worker (``sampling.prompt_logprobs``); ``echo`` with ``max_tokens`` 0 answers the prompt alone
+(``prompt_only``). ``prompt_logprobs`` is vLLM's extension. Checked here with a 400 naming the
+field: what only this endpoint has (``prompt``'s shape, ``suffix``, ``best_of``, ``logprobs``'
+bound); every other bound is the gateway's validation's, as for chat.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from protos.epd.v1 import gateway_pb2
+from protos.epd.v1 import common_pb2, gateway_pb2
 from services.gateway.http.convert import (
     MAX_INT32,
     FieldNames,
@@ -39,6 +40,22 @@ class CompletionAsk:
     echo: bool
     logprobs: int | None  # legacy top count; None = no logprobs object
     prompt_logprobs: int | None  # vLLM's extension; None = not asked
+    prompt_only: bool = False  # ``echo`` with ``max_tokens`` 0: the prompt, nothing generated
+
+
+def prompt_only(
+    chunks: Iterator[gateway_pb2.GenerateChunk],
+) -> Iterator[gateway_pb2.GenerateChunk]:
+    """The chunks of a ``prompt_only`` answer: the one token generated (a request generates at
+    least one) is dropped from the text, the tokens, the log-probabilities and the usage, and
+    each choice ends with ``length`` (its budget of 0 was reached)."""
+    for chunk in chunks:
+        del chunk.token_ids[:], chunk.logprobs[:], chunk.tool_calls[:]
+        chunk.text = ""
+        if chunk.finish_reason:
+            chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
+            chunk.usage.completion_tokens = 0
+        yield chunk
 
 
 def to_completion_requests(
@@ -65,6 +82,11 @@ def to_completion_requests(
             "prompt_logprobs",
         )
     names = FieldNames(renamed={"top_logprobs": "logprobs"})
+    # NOTE: echo with max_tokens 0 asks for the prompt's log-probabilities alone (a scoring idiom
+    # vLLM accepts): the worker generates one token, which ``prompt_only`` drops
+    echo_only = bool(body.echo) and body.max_tokens == 0
+    if echo_only:
+        body = body.model_copy(update={"max_tokens": 1})
     sampling = sampling_of(body, limits, names, DEFAULT_MAX_TOKENS)
     if body.logprobs is not None:
         sampling.logprobs, sampling.top_logprobs = True, body.logprobs
@@ -87,7 +109,8 @@ def to_completion_requests(
         else:
             request.prompt_token_ids.extend(prompt)
         requests.append(request)
-    return requests, names, CompletionAsk(bool(body.echo), body.logprobs, body.prompt_logprobs)
+    ask = CompletionAsk(bool(body.echo), body.logprobs, body.prompt_logprobs, echo_only)
+    return requests, names, ask
 
 
 def _prompts(prompt: Any, limits: RequestLimits) -> list[str | list[int]]:

@@ -209,6 +209,17 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``. Omitted sampling fields take OpenAI's defaults
     (temperature 1, top_p 1); ``temperature: 0`` is greedy decoding."""
 
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "examples": [
+                {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+                {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
+                 "stream": True, "stream_options": {"include_usage": True}},
+            ]
+        },
+    )  # fmt: skip
+
     messages: Annotated[list[Any], WithJsonSchema(MESSAGES_SCHEMA)]
     max_completion_tokens: int | None = Field(
         None, description="wins over max_tokens", json_schema_extra={"minimum": 1}
@@ -247,7 +258,23 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions`` (OpenAI's legacy completions): a raw prompt, no chat template.
     ``max_tokens`` defaults to 16 as in OpenAI's API."""
 
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "examples": [
+                {"prompt": "The capital of France is", "max_tokens": 8},
+                {"prompt": "The capital of France is", "max_tokens": 8, "stream": True},
+                {"prompt": "Score this", "max_tokens": 0, "echo": True, "logprobs": 1},
+            ]
+        },
+    )
+
     prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
+    max_tokens: int | None = Field(
+        None,
+        description="default 16; 0 only with echo: the prompt alone (its log-probabilities)",
+        json_schema_extra={"minimum": 0},
+    )
     echo: bool | None = Field(None, description="the prompt precedes the completion in text")
     logprobs: int | None = Field(
         None,
