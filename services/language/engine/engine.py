@@ -413,9 +413,7 @@ class LanguageEngine:
         error_kind: ErrorKind = ErrorKind.NONE,
     ) -> list[RequestOutput]:
         """Finish every choice of ``req``'s request still going (``req`` last), with ``reason``."""
-        choices = self.choices.get(req.request_id, [])
-        if not any(c is req for c in choices):  # its request already ended
-            choices = [req]
+        choices = self._choices_of(req)
         going = [c for c in choices if c is not req and c.status != RequestStatus.FINISHED]
         if req.status != RequestStatus.FINISHED:
             going.append(req)
@@ -447,9 +445,7 @@ class LanguageEngine:
             req.room = 0  # nothing was delivered: nothing to release
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         out = request_output(req, token_ids or [], text, error, error_kind)
-        choices = self.choices.get(req.request_id, [])
-        if not any(c is req for c in choices):
-            choices = [req]
+        choices = self._choices_of(req)
         out.more_choices = any(c.status != RequestStatus.FINISHED for c in choices)
         if not out.more_choices:  # the request's last choice: the request ends
             if self.requests.get(req.request_id) is choices[0]:
@@ -457,6 +453,11 @@ class LanguageEngine:
                 self.choices.pop(req.request_id, None)
             self._release_room(choices[0].room)
         return out
+
+    def _choices_of(self, req: Request) -> list[Request]:
+        """Every choice of ``req``'s request, by index (``[req]`` once its request ended)."""
+        choices = self.choices.get(req.request_id, [])
+        return choices if any(c is req for c in choices) else [req]
 
     def _release_room(self, room: int) -> None:
         """Give a delivered room's transfer blocks back (its image rows may be views of them)."""
