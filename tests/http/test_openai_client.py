@@ -152,7 +152,9 @@ def test_sampling_options(client, model) -> None:
 
 
 def test_logits_controls_reach_the_worker_as_grpc_ones_do(http_stack, client, model) -> None:
-    messages = [{"role": "user", "content": f"Count for me. {uuid.uuid4().hex}"}]
+    # a fixed prompt: greedy with and without the controls must differ, which a random prompt
+    # does not always give on random weights (no repeated token for the penalties to act on)
+    messages = [{"role": "user", "content": "Count for me, with the controls on."}]
     controls = dict(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.3)
     controls.update(min_p=0.1, min_tokens=3)
     sampling = common_pb2.SamplingParams(
