@@ -188,10 +188,8 @@ class Orchestrator:
         """Stream the answer to a validated ``request``; raises ``GatewayError`` with the
         terminal status. Tools are written into its messages, calls parsed out of its answer
         (``tools.py``)."""
-        if tools.uses_tools(request):
-            yield from tools.parse_tool_calls(self._run(with_tools(request), admitted, deadline))
-        else:
-            yield from self._run(with_tools(request), admitted, deadline)
+        chunks = self._run(with_tools(request), admitted, deadline)
+        yield from tools.parse_tool_calls(chunks) if tools.uses_tools(request) else chunks
 
     def _run(
         self, request: gateway_pb2.GenerateRequest, admitted: Admitted, deadline: float
@@ -497,11 +495,10 @@ def with_tools(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequ
     itself when it uses no tools)."""
     if not (request.tools or any(m.role == "tool" or m.tool_calls for m in request.messages)):
         return request
-    out = gateway_pb2.GenerateRequest(
-        messages=tools.prompt_messages(request),
-        sampling=request.sampling,
-        request_id=request.request_id,
-    )
+    out = gateway_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    del out.messages[:]
+    out.messages.extend(tools.prompt_messages(request))
     grammar = tools.tool_grammar(request)
     if grammar:
         out.sampling.structured_output.grammar = grammar

@@ -222,6 +222,8 @@ def _validate_calls(message, where: str) -> None:
 
 
 def _validate_tools(request: gateway_pb2.GenerateRequest) -> None:
+    if request.tools and not request.messages:
+        raise invalid("tools need messages (a raw prompt has no turns to write them into)")
     if len(request.tools) > MAX_TOOLS:
         raise invalid(f"tools has {len(request.tools)} entries, more than the limit of {MAX_TOOLS}")
     names = set()

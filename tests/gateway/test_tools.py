@@ -79,6 +79,12 @@ def test_calls_and_results_become_qwen_turns() -> None:
     assert [m.role for m in prompt_messages(none)] == ["user"]  # "none": no tools in the prompt
     plain = gateway_pb2.GenerateRequest(messages=[_message("user", "Hi")])
     assert with_tools(plain) is plain
+    asked = _request(_message("user", "Hi"))
+    asked.request_id, asked.sampling.max_new_tokens = "r-1", 7
+    rendered = with_tools(asked)
+    assert [m.role for m in rendered.messages] == ["system", "user"]
+    assert rendered.request_id == "r-1" and rendered.sampling.max_new_tokens == 7
+    assert list(rendered.tools) == list(asked.tools)  # only the messages are rewritten
 
 
 @pytest.mark.parametrize(
@@ -193,6 +199,8 @@ LIMITS = RequestLimits()
         (_request(_message("assistant", tool_calls=[common_pb2.ToolCall(name="f", arguments="3")])),
          "messages[0].tool_calls[0].arguments must be a JSON object"),
         (_request(_message("tool")), "messages[0].content must not be empty"),
+        (gateway_pb2.GenerateRequest(prompt_text="Hi", tools=[WEATHER]),
+         "tools need messages"),
     ],
 )  # fmt: skip
 def test_validation_names_the_field(request_, words) -> None:
