@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.auth import BearerAuthInterceptor
 from common.drain import DrainGate, Readiness
+from common.heap import freeze_startup_heap
 from common.signals import TerminationSignals
 from common.stream_capacity import StreamCapacity, StreamCapacityInterceptor
 from common.tls import ServerTLS
@@ -218,8 +219,10 @@ class Running:
 
 
 def serve_until_terminated(running: Running) -> int:
-    """The main thread of ``epd serve ROLE``: announce, block until SIGINT/SIGTERM, drain (up to
-    ``running.drain_timeout_s``; a second signal cuts it short), stop."""
+    """The main thread of ``epd serve ROLE``: freeze the start-up heap (``common.heap``),
+    announce, block until SIGINT/SIGTERM, drain (up to ``running.drain_timeout_s``; a second
+    signal cuts it short), stop."""
+    freeze_startup_heap()
     with TerminationSignals() as signals:
         print(running.banner, flush=True)
         signals.next()  # nothing wakes it before a drain starts: a signal

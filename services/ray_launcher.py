@@ -25,6 +25,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from common.heap import freeze_startup_heap
+
 NAMESPACE = "epd"
 GATEWAY_CPUS = 0.1
 PLACEMENT_REPORT_S = 5.0  # an actor not placed by then is reported, and again this often
@@ -101,6 +103,7 @@ class ServiceActor:
             if role != "gateway":
                 argv += ["--advertise-host", self.host, "--transfer-host", self.host]
         self._running = self._start(ROLE_MODULES[role], argv)
+        freeze_startup_heap()  # as ``epd serve`` does (common.heap)
         self.port = self._running.port
         self.registry_port = self._running.registry_port
 
