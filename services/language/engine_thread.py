@@ -1,9 +1,11 @@
 """Runs a ``LanguageEngine`` on its own thread; gRPC threads talk to it through an inbox.
 
-Every engine call happens on the engine thread. Callers get a ``queue.Queue`` per request onto
-which each ``RequestOutput`` of that request is put (of every choice, each with its ``index``);
-the last one has ``ends_request`` set, and every submitted request gets one (at shutdown too),
-so a caller may block on its queue.
+Every engine call happens on the engine thread. Each request's outputs go to a sink (an
+``OutputSink``): by default a ``RequestStream`` of its own, a queue its caller blocks on; or one
+a caller shares between requests (a session, ``services/language/sessions.py``). Each step hands
+every sink its outputs of that step in one ``put_all`` (of every choice, each with its
+``index``); a request's last output has ``ends_request`` set, and every submitted request gets
+one (at shutdown too), so a caller may block on its sink.
 
 The thread never polls. It sleeps on a condition until there is something to do: a command in
 the inbox (a new request, an abort, stop), a room that ended (the embedding source's listener),
@@ -18,8 +20,10 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from services.language.engine.engine import LanguageEngine
 from services.language.engine.grammar import Guide
@@ -31,6 +35,19 @@ from services.language.inputs import PromptInputs
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_ERROR = "the language worker is shutting down"
+
+
+class OutputSink(Protocol):
+    def put_all(self, outputs: list[RequestOutput]) -> None:
+        """Take outputs of one step, in order (called on the engine thread: must not block)."""
+
+
+class RequestStream(queue.Queue):
+    """One request's outputs, for a caller that blocks on them (``coalesced_outputs``)."""
+
+    def put_all(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.put(out)
 
 
 class QueueFullError(RuntimeError):
@@ -71,7 +88,8 @@ class EngineThread:
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._rooms_ready = False  # the embedding source has rooms to collect
         self._stopping = False
-        self._streams: dict[str, queue.Queue[RequestOutput]] = {}
+        self._idle = threading.Condition(self._lock)  # notified when no request is in flight
+        self._streams: dict[str, OutputSink] = {}
         self._num_pending = 0  # submitted, not yet seen by the engine thread
         self._load = engine.load()
         if engine.embedding_source is not None:
@@ -91,14 +109,15 @@ class EngineThread:
     def load(self) -> EngineLoad:
         return self._load
 
-    def submit(self, sub: Submission) -> queue.Queue[RequestOutput]:
-        """Queue ``sub``; raises QueueFullError, DuplicateRequestError or EngineStoppedError.
+    def submit(self, sub: Submission, sink: OutputSink | None = None) -> OutputSink:
+        """Queue ``sub``, its outputs going to ``sink`` (a new ``RequestStream`` when None),
+        which it returns; raises QueueFullError, DuplicateRequestError or EngineStoppedError.
 
         A chat or a raw prompt is tokenized, and a structured output compiled, here, on the
         caller's thread, so that the engine thread spends no step time on chat templates or
         grammars; a prompt that cannot be tokenized or a grammar that cannot be compiled ends
         its request alone (its stream gets the error)."""
-        stream: queue.Queue[RequestOutput] = queue.Queue()
+        stream: OutputSink = sink if sink is not None else RequestStream()
         failure = None
         try:
             sub = self._tokenized(sub)
@@ -119,7 +138,7 @@ class EngineThread:
                 self._streams[sub.request_id] = stream
                 self._post(lambda: self._add(sub, stream))
         if failure is not None:
-            stream.put(_error_output(sub.request_id, failure))
+            stream.put_all([_error_output(sub.request_id, failure)])
         return stream
 
     def _tokenized(self, sub: Submission) -> Submission:
@@ -135,12 +154,26 @@ class EngineThread:
             return replace(sub, inputs=inputs, prompt_token_ids=None)
         return sub
 
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not finished."""
+        with self._lock:
+            return len(self._streams)
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Block until no request is in flight (True) or ``deadline`` (``time.monotonic``)
+        passes (False)."""
+        with self._idle:
+            return self._idle.wait_for(
+                lambda: not self._streams, max(0.0, deadline - time.monotonic())
+            )
+
     def is_active(self, request_id: str) -> bool:
         """Whether ``request_id`` was submitted and has not finished."""
         with self._lock:
             return request_id in self._streams
 
-    def abort(self, request_id: str, stream: queue.Queue[RequestOutput] | None = None) -> None:
+    def abort(self, request_id: str, stream: OutputSink | None = None) -> None:
         """Abort ``request_id`` (only while its output goes to ``stream``, when given)."""
         with self._lock:
             if stream is not None and self._streams.get(request_id) is not stream:
@@ -159,7 +192,7 @@ class EngineThread:
             self._rooms_ready = True
             self._wake.notify()
 
-    def _add(self, sub: Submission, stream: queue.Queue[RequestOutput]) -> None:
+    def _add(self, sub: Submission, stream: OutputSink) -> None:
         with self._lock:
             self._num_pending -= 1
         try:
@@ -174,17 +207,27 @@ class EngineThread:
             )
         except Exception as exc:  # a bad request must not take the engine down
             with self._lock:
-                self._streams.pop(sub.request_id, None)
-            stream.put(_error_output(sub.request_id, exc))
+                self._forget(sub.request_id)
+            stream.put_all([_error_output(sub.request_id, exc)])
+
+    def _forget(self, request_id: str) -> None:
+        """``request_id`` is no longer in flight (lock held)."""
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.notify_all()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            with self._lock:
+        """Hand each sink its outputs among ``outputs``, in one ``put_all``."""
+        by_sink: dict[int, tuple[OutputSink, list[RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if out.ends_request:
-                    self._streams.pop(out.request_id, None)
-            if stream is not None:
-                stream.put(out)
+                    self._forget(out.request_id)
+                if stream is not None:
+                    by_sink.setdefault(id(stream), (stream, []))[1].append(out)
+        for stream, outs in by_sink.values():
+            stream.put_all(outs)
 
     def _step(self) -> list[RequestOutput]:
         try:
@@ -231,17 +274,20 @@ class EngineThread:
             self._dispatch(self.engine.abort(rid, SHUTDOWN_ERROR))
         with self._lock:
             left, self._streams = self._streams, {}
+            self._idle.notify_all()
             self._inbox.clear()
         for rid, stream in left.items():
-            stream.put(
-                RequestOutput(
-                    rid,
-                    [],
-                    "",
-                    FinishReason.ERROR,
-                    error=SHUTDOWN_ERROR,
-                    error_kind=ErrorKind.FAILED,
-                )
+            stream.put_all(
+                [
+                    RequestOutput(
+                        rid,
+                        [],
+                        "",
+                        FinishReason.ERROR,
+                        error=SHUTDOWN_ERROR,
+                        error_kind=ErrorKind.FAILED,
+                    )
+                ]
             )
         self._load = self.engine.load()
         self.engine.grammars.close()
@@ -253,7 +299,7 @@ def _error_output(request_id: str, exc: Exception) -> RequestOutput:
     return RequestOutput(request_id, [], "", FinishReason.ERROR, error=str(exc), error_kind=kind)
 
 
-def coalesced_outputs(stream: queue.Queue[RequestOutput]) -> Iterator[RequestOutput]:
+def coalesced_outputs(stream: RequestStream) -> Iterator[RequestOutput]:
     """A request's outputs as its caller should send them: blocks for the next one, then merges
     into it every later output of the same choice already queued behind it (their tokens, text
     and log-probabilities in order; the last one's finish and usage). A caller that sends slower
@@ -271,13 +317,38 @@ def coalesced_outputs(stream: queue.Queue[RequestOutput]) -> Iterator[RequestOut
             if nxt.error_kind != ErrorKind.NONE or nxt.index != out.index:
                 pending = nxt
                 break
-            out = replace(
-                nxt,
-                token_ids=out.token_ids + nxt.token_ids,
-                text=out.text + nxt.text,
-                logprobs=out.logprobs + nxt.logprobs,
-                prompt_logprobs=out.prompt_logprobs + nxt.prompt_logprobs,
-            )
+            out = _merged(out, nxt)
         yield out
         if out.ends_request:
             return
+
+
+def coalesced(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """``outputs`` (several requests', in order) with each merged into the latest one before it
+    of the same request and choice, as ``coalesced_outputs`` merges (never an error, never
+    into a finished one): a session sends one chunk per choice and step, however many steps
+    its stream fell behind."""
+    merged: list[RequestOutput] = []
+    latest: dict[tuple[str, int], int] = {}  # (request, choice) -> its position in merged
+    for out in outputs:
+        key = (out.request_id, out.index)
+        at = latest.get(key)
+        prev = merged[at] if at is not None else None
+        failed = ErrorKind.NONE != out.error_kind or (prev and prev.error_kind != ErrorKind.NONE)
+        if prev is None or prev.finished or failed:
+            latest[key] = len(merged)
+            merged.append(out)
+        else:
+            merged[at] = _merged(prev, out)
+    return merged
+
+
+def _merged(out: RequestOutput, nxt: RequestOutput) -> RequestOutput:
+    """``nxt`` with ``out``'s tokens, text and log-probabilities before its own."""
+    return replace(
+        nxt,
+        token_ids=out.token_ids + nxt.token_ids,
+        text=out.text + nxt.text,
+        logprobs=out.logprobs + nxt.logprobs,
+        prompt_logprobs=out.prompt_logprobs + nxt.prompt_logprobs,
+    )

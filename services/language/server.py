@@ -69,16 +69,19 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
     engine = LanguageEngine(config, embedding_source)
     engine_thread = EngineThread(engine, config.max_waiting_requests)
     engine_thread.start()
-    generate = f"/{SERVICE_NAME}/Generate"
-    capacity = StreamCapacity(config.grpc_workers, (generate,), who="language worker")
+    generate, submit = f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Submit"
+    long_methods = (generate, f"/{SERVICE_NAME}/Open")  # a session's stream holds a thread too
+    capacity = StreamCapacity(config.grpc_workers, long_methods, who="language worker")
     server = create_server(
         "epd-language",
         config.grpc_max_message_mb,
         capacity,
         server_security(config.worker.internal),
-        work_methods=(generate,),
+        work_methods=(generate, submit),
     )
-    servicer = LanguageServicer(engine_thread, embedding_source)
+    servicer = LanguageServicer(
+        engine_thread, embedding_source, config.grpc_workers, capacity.refusal
+    )
     language_pb2_grpc.add_LanguageServiceServicer_to_server(servicer, server)
     port, health_servicer = start_server(
         server, config.host, config.port, (SERVICE_NAME,), config.worker.health_port
@@ -155,7 +158,9 @@ def start(args: argparse.Namespace) -> Running:
         handle.port,
         f"language worker listening on {config.host}:{handle.port}",
         stop,
-        drain=lambda deadline: drain_worker(handle.server, runtime, deadline),
+        drain=lambda deadline: drain_worker(
+            handle.server, runtime, deadline, handle.engine_thread.wait_idle
+        ),
         drain_timeout_s=config.worker.drain_timeout_s,
     )
 

@@ -2,7 +2,12 @@
 
 A ``Generate`` call blocks on its request's output queue (no polling); the client going away
 (cancel, deadline, disconnect) aborts the request through ``context.add_callback``, and the
-abort's output wakes the call. Errors before the first token end the call with a status:
+abort's output wakes the call. ``Open`` streams a session's outputs (``sessions.py``): one
+message per engine step with the chunk of each of its requests that advanced, each naming its
+request; ``Submit`` queues a request into a session (validated as ``Generate`` validates, the
+same statuses; its deadline is its ``timeout_s``); the session's end aborts what is left in it.
+
+Errors before the first token end the call with a status:
 ``INVALID_ARGUMENT`` (bad sampling, messages or a prompt over ``max_seq_len``, naming the
 field and its bound), ``DEADLINE_EXCEEDED`` (the prompt did not arrive in time),
 ``RESOURCE_EXHAUSTED``, ``ALREADY_EXISTS``, ``UNAVAILABLE``; a request that fails while being
@@ -23,10 +28,13 @@ from services.language.engine_thread import (
     DuplicateRequestError,
     EngineStoppedError,
     EngineThread,
+    OutputSink,
     QueueFullError,
     Submission,
+    coalesced,
     coalesced_outputs,
 )
+from services.language.sessions import Session, SessionClosedError, SessionTable
 
 NO_DEADLINE_S = 1e9  # gRPC reports "no deadline" as ~2**63 seconds remaining
 STATUS_OF_ERROR = {
@@ -101,9 +109,16 @@ def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
 
 
 def chunk_from_output(out: RequestOutput) -> language_pb2.LanguageGenerateChunk:
-    chunk = language_pb2.LanguageGenerateChunk(
-        text=out.text, token_ids=out.token_ids, index=out.index
-    )
+    return fill_chunk(language_pb2.LanguageGenerateChunk(), out)
+
+
+def fill_chunk(
+    chunk: language_pb2.LanguageGenerateChunk, out: RequestOutput
+) -> language_pb2.LanguageGenerateChunk:
+    """``chunk`` (empty) filled from ``out``."""
+    chunk.text = out.text
+    chunk.token_ids.extend(out.token_ids)
+    chunk.index = out.index
     chunk.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
     chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
     if out.finished:
@@ -135,20 +150,25 @@ def deadline_of(context) -> float | None:
 
 
 class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
-    def __init__(self, engine_thread: EngineThread, source=None):
+    def __init__(
+        self,
+        engine_thread: EngineThread,
+        source=None,
+        max_requests: int = 0,
+        capacity_message: str = "",
+    ):
+        """``max_requests`` (0: no bound) bounds the requests of all sessions together, as the
+        stream capacity bounds ``Generate`` calls; beyond it ``Submit`` answers
+        ``RESOURCE_EXHAUSTED`` with ``capacity_message``."""
         self.engine_thread = engine_thread
         self.source = source
+        self.max_requests = max_requests
+        self.capacity_message = capacity_message
+        self.sessions = SessionTable()
 
     def Generate(self, request, context):
-        sub = self._submission(request, context)
-        try:
-            stream = self.engine_thread.submit(sub)
-        except QueueFullError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except DuplicateRequestError as exc:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except EngineStoppedError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        sub = self._submission(request, context, deadline_of(context))
+        stream = self._submit(sub, None, context)
         rid = request.request_id
         if not context.add_callback(lambda: self.engine_thread.abort(rid, stream)):
             self.engine_thread.abort(rid, stream)  # the call already ended
@@ -163,6 +183,73 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
                 echoed.add(out.index)
             yield chunk
 
+    def Open(self, request, context):
+        try:
+            session = self.sessions.open(request.session_id)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        context.add_callback(lambda: self._close(session))  # wakes batches() at a cancel
+        try:
+            yield language_pb2.LanguageOutputs()  # open
+            for outputs in session.batches():
+                yield self._outputs_message(session, outputs)
+        finally:
+            self._close(session)
+
+    def Submit(self, request, context):
+        session = self.sessions.get(request.session_id)
+        if session is None:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"session {request.session_id!r} is not open on this worker",
+            )
+        if self.max_requests and self.engine_thread.num_active >= self.max_requests:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.capacity_message)
+        timeout_s = request.timeout_s
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        sub = self._submission(request, context, deadline)
+        try:
+            session.track(sub.request_id, self._echo_text(request) if request.echo else "")
+        except SessionClosedError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        try:
+            self._submit(sub, session, context)
+        except BaseException:  # refused: the call ends with its status
+            session.untrack(sub.request_id)
+            raise
+        if session.closed:  # its end came between track() and submit(): nobody will read it
+            self.engine_thread.abort(sub.request_id, session)
+        return language_pb2.LanguageSubmitReply()
+
+    def _close(self, session: Session) -> None:
+        """End ``session``: abort every request still in it (idempotent)."""
+        for request_id in self.sessions.close(session):
+            self.engine_thread.abort(request_id, session)
+
+    @staticmethod
+    def _outputs_message(session: Session, outputs) -> language_pb2.LanguageOutputs:
+        """One step's (or several queued steps') outputs as one message: a chunk per request
+        and choice (``coalesced``), each naming its request."""
+        message = language_pb2.LanguageOutputs()
+        for out in coalesced(outputs):
+            chunk = fill_chunk(message.chunks.add(), out)
+            chunk.request_id, chunk.last = out.request_id, out.ends_request
+            chunk.prompt_text = session.sent(out)
+            if out.error_kind in STATUS_OF_ERROR:
+                chunk.status_code = STATUS_OF_ERROR[out.error_kind].value[0]
+        return message
+
+    def _submit(self, sub: Submission, sink: OutputSink | None, context) -> OutputSink:
+        """``engine_thread.submit``; aborts the call with the status of a refusal."""
+        try:
+            return self.engine_thread.submit(sub, sink)
+        except QueueFullError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except DuplicateRequestError as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except EngineStoppedError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
     def _echo_text(self, request) -> str:
         """The raw prompt's text: as sent, or its token ids decoded (special tokens kept)."""
         if request.prompt_text:
@@ -170,7 +257,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         tokenizer = self.engine_thread.engine.tokenizer
         return tokenizer.decode(list(request.prompt_token_ids), skip_special_tokens=False)
 
-    def _submission(self, request, context) -> Submission:
+    def _submission(self, request, context, deadline: float | None) -> Submission:
         """The request as the engine thread takes it; aborts the call when it is malformed."""
         if not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
@@ -209,7 +296,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
             list(request.prompt_token_ids) or None,
             room=request.room,
             encoder_endpoint=request.encoder_endpoint,
-            deadline=deadline_of(context),
+            deadline=deadline,
         )
 
     def Abort(self, request, context):
