@@ -120,6 +120,12 @@ class GatewayConfig:
         "capacity or queue full), seconds a request waits and tries again (backing off, "
         "within its deadline) before the refusal reaches the client; 0 = refuse at once",
     )
+    language_sessions: bool = field(
+        True,
+        help="send requests to each language worker over one session stream, which carries "
+        "one message per engine step for all of them, instead of a stream per request (one "
+        "message per token per request); off: a Generate stream per request",
+    )
     default_timeout_s: float = field(120.0, help="deadline of a request without its own")
     default_max_new_tokens: int = field(128, help="max_new_tokens when the request sets 0")
     max_message_mb: int = field(64, help="largest gRPC message accepted (images are large)")

@@ -16,6 +16,7 @@ is in flight.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import grpc
 
@@ -78,6 +79,27 @@ class LingeringChannel(grpc.Channel):
         """Whether the underlying channel is closed."""
         with self._lock:
             return self._closed
+
+    @property
+    def unheld(self) -> grpc.Channel:
+        """The channel itself: calls made on it are not counted (a session's stream, whose
+        requests ``hold`` the channel instead: ``sessions.py``)."""
+        return self._inner
+
+    def hold(self) -> Callable[[], None]:
+        """Count one call in flight until the returned release is called (once; later calls
+        do nothing); ``ValueError`` once closing, as a new call gets."""
+        self._enter()
+        held = [True]
+
+        def release() -> None:
+            try:
+                held.pop()  # atomic: only the first release gets past it
+            except IndexError:
+                return
+            self._leave()
+
+        return release
 
     def _enter(self) -> None:
         with self._lock:

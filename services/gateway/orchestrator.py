@@ -310,7 +310,14 @@ class Orchestrator:
 
     def _start_language(self, language: Worker, sampling, timeout_s: float, **kw):
         try:
-            return calls.generate(language, new_call_id(), sampling, timeout_s, **kw)
+            return calls.generate(
+                language,
+                new_call_id(),
+                sampling,
+                timeout_s,
+                sessions=self.config.language_sessions,
+                **kw,
+            )
         except grpc.RpcError as exc:  # it left the pool since it was chosen
             raise _status_from_rpc(exc, f"language worker {language.address}") from None
 

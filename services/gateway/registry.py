@@ -19,6 +19,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2_grpc
 
 from protos.epd.v1 import encoder_pb2_grpc, language_pb2_grpc
+from services.gateway.sessions import SessionSlot
 
 
 class Role(str, Enum):
@@ -37,6 +38,7 @@ class WorkerStubs:
 
     health: Any  # health_pb2_grpc.HealthStub
     service: Any  # encoder_pb2_grpc.EncoderStub | language_pb2_grpc.LanguageServiceStub
+    sessions: SessionSlot | None = None  # a language worker's (``sessions.py``)
 
 
 def create_stubs(channel: Any, role: Role) -> WorkerStubs:
@@ -48,12 +50,11 @@ def create_stubs(channel: Any, role: Role) -> WorkerStubs:
     channel, before any other thread can see it; a call through them on a closed channel raises
     ``ValueError`` instead.
     """
-    service = (
-        encoder_pb2_grpc.EncoderStub(channel)
-        if role == Role.ENCODER
-        else language_pb2_grpc.LanguageServiceStub(channel)
-    )
-    return WorkerStubs(health_pb2_grpc.HealthStub(channel), service)
+    health = health_pb2_grpc.HealthStub(channel)
+    if role == Role.ENCODER:
+        return WorkerStubs(health, encoder_pb2_grpc.EncoderStub(channel))
+    service = language_pb2_grpc.LanguageServiceStub(channel)
+    return WorkerStubs(health, service, SessionSlot(channel))
 
 
 @dataclass

@@ -113,9 +113,12 @@ def generate(
     prompt_text: str = "",
     prompt_token_ids=(),
     echo: bool = False,
+    sessions: bool = True,
 ):
-    """Start ``LanguageService.Generate``; returns the streaming call (iterable, cancellable).
-    A text-only request carries ``messages`` or a raw prompt (text or token ids)."""
+    """Start a request on a language worker; returns its streaming call (iterable of
+    ``LanguageGenerateChunk``, cancellable): in the worker's session (``sessions.py``) when
+    ``sessions`` and the worker has them, else a ``Generate`` call. A text-only request carries
+    ``messages`` or a raw prompt (text or token ids)."""
     request = language_pb2.LanguageGenerateRequest(
         request_id=request_id,
         room=room,
@@ -126,7 +129,15 @@ def generate(
         prompt_token_ids=list(prompt_token_ids),
         echo=echo,
     )
-    return _start(worker, _stubs(worker).service.Generate, request, timeout_s)
+    stubs = _stubs(worker)
+    if sessions and stubs.sessions is not None and stubs.sessions.supported:
+        try:
+            call = stubs.sessions.submit(request, timeout_s)
+        except ValueError:  # grpcio: "Cannot invoke RPC: Channel closed!"
+            raise WorkerGone(worker) from None
+        if call is not None:
+            return call
+    return _start(worker, stubs.service.Generate, request, timeout_s)
 
 
 def poll(

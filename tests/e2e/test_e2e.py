@@ -20,12 +20,18 @@ WIRES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @pytest.mark.parametrize(
-    "arch,wire", [(arch, "bfloat16") for arch in ARCHS] + [("qwen2_5_vl", "float32")]
+    "arch,wire,sessions",
+    [(arch, "bfloat16", True) for arch in ARCHS] + [("qwen2_5_vl", "float32", False)],
 )
-def test_disaggregated_greedy_equals_monolithic(arch, wire, tiny_model_dir, stack_factory):
+def test_disaggregated_greedy_equals_monolithic(
+    arch, wire, sessions, tiny_model_dir, stack_factory
+):
+    """``sessions``: the gateway's requests share a session stream per language worker (the
+    default), or each has a ``Generate`` stream of its own (``--no-language-sessions``)."""
     model_dir = tiny_model_dir(arch)
     ref = HFReference(model_dir, wire_dtype=WIRES[wire])
-    stack = stack_factory(model_dir, env={"EPD_TRANSFER_DTYPE": wire})
+    gateway_args = () if sessions else ("--no-language-sessions",)
+    stack = stack_factory(model_dir, env={"EPD_TRANSFER_DTYPE": wire}, gateway_args=gateway_args)
     image = noise_image(7, 112, 84)
     prompt = "Describe the image."
     expected = ref.generate(ref.build_inputs(prompt, [image]), MAX_TOKENS)
