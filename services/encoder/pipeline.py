@@ -34,11 +34,13 @@ from .cache import EmbeddingCache
 from .checkpoint import load_checkpoint
 from .config import EncoderConfig
 from .errors import InvalidInput, Overloaded
-from .intake import ImageInput, ImageIntake, OpenedImage
+from .intake import ImageInput, ImageIntake, OpenedVideo, VideoIntake, naming
 from .messages import normalize_messages
 from .preprocess import ImagePreprocessor
-from .prompt import PromptBuilder, template_messages
-from .types import EncodedPrompt, PreparedImage, Prompt, RequestLimits
+from .prompt import MediaShape, PromptBuilder, template_messages
+from .types import EncodedPrompt, MediaItem, PreparedImage, Prompt, RequestLimits, VideoInput
+from .video_prep import VideoPreprocessor
+from .video_sampling import VideoPlan, VideoSettings
 from .vision import VisionTower
 
 MIB = 1 << 20
@@ -53,6 +55,9 @@ class EncoderPipeline:
             self.checkpoint, self.config.min_pixels, self.config.max_pixels
         )
         self.prompts = PromptBuilder(self.checkpoint)
+        self.video_intake = VideoIntake(self.config)
+        defaults = video_defaults(self.config, self.preprocessor.factor)
+        self.videos = VideoPreprocessor(self.preprocessor, defaults)
         self.tower = VisionTower(
             self.checkpoint, self.config.device, self.config.dtype, self.config.linear_kernel
         )
@@ -70,6 +75,8 @@ class EncoderPipeline:
         )
         # Observer of each prepared request: seconds of decoding + preprocessing. Metrics set it.
         self.on_prepare: Callable[[float], None] | None = None
+        # Observer of each decoded video: (frames sampled, seconds decoding + preprocessing).
+        self.on_video: Callable[[int, float], None] | None = None
 
     def prepare(
         self,
@@ -90,17 +97,22 @@ class EncoderPipeline:
         """Every check the headers and the text allow comes before any pixel is decoded."""
         limits = limits or RequestLimits()
         chat, sources = normalize_messages(messages, images)
-        max_images = min(x for x in (self.config.max_images, limits.max_images) if x > 0)
-        if len(sources) > max_images:
-            raise InvalidInput(f"request has {len(sources)} images; the limit is {max_images}")
-        opened = [self.intake.open(source, index) for index, source in enumerate(sources)]
-        plans = [self.preprocessor.plan(item.width, item.height) for item in opened]
+        max_items = min(x for x in (self.config.max_images, limits.max_images) if x > 0)
+        num_videos = sum(isinstance(s, VideoInput) for s in sources)
+        if len(sources) > max_items:
+            what = "images and videos" if num_videos else "images"
+            raise InvalidInput(f"request has {len(sources)} {what}; the limit is {max_items}")
+        if num_videos > self.config.max_videos:
+            raise InvalidInput(
+                f"request has {num_videos} videos; the limit is {self.config.max_videos}"
+            )
+        opened = self._open(sources)
         ids = self.prompts.text_ids(template_messages(chat))
         max_tokens = min(
             x for x in (self.config.prompt_token_limit, limits.max_prompt_tokens) if x > 0
         )
-        self.prompts.check_length(ids, [plan.num_tokens for plan in plans], max_tokens)
-        need = sum(plan.pixel_bytes for plan in plans)
+        self.prompts.check_length(ids, [shape for _, shape, _ in opened], max_tokens)
+        need = sum(cost for _, _, cost in opened)
         if not self.budget.try_reserve(need):
             raise Overloaded(
                 f"encoder pixel budget full: the request's images need {need / MIB:.1f} MiB of "
@@ -108,11 +120,11 @@ class EncoderPipeline:
                 f"{self.budget.capacity_bytes / MIB:.0f} MiB are queued"
             )
         try:
-            prompt = self.prompts.build(ids, self._decode(opened))
+            prompt = self.prompts.build(ids, self._decode([item for item, _, _ in opened]))
         except BaseException:
             self.budget.release(need)
             raise
-        # the reservation passes to the images that hold patches; hits and duplicates give back
+        # the reservation passes to the units that hold patches; hits and duplicates give back
         held = 0
         for image in {id(im): im for im in prompt.images}.values():
             if image.pixel_values is not None:
@@ -121,11 +133,38 @@ class EncoderPipeline:
         self.budget.release(need - held)
         return prompt
 
-    def _decode(self, opened: list[OpenedImage]) -> list[PreparedImage]:
-        """Decode, key and (on a cache miss) cut into patches; one object per distinct image."""
+    def _open(self, sources: list) -> list[tuple[object, MediaShape, int]]:
+        """Each source read and its header checked: (opened, its shape, its patch bytes)."""
+        out: list[tuple[object, MediaShape, int]] = []
+        num_images = num_videos = 0
+        for source in sources:
+            if isinstance(source, VideoInput):
+                video = self.video_intake.open(source, num_videos)
+                with naming(num_videos, "video"):
+                    settings = VideoSettings.resolve(source.sampling, self.videos.defaults)
+                    plan = self.videos.plan(video.header, settings)
+                shape = MediaShape(plan.grid_thw, True, plan.timestamps)
+                out.append(((video, plan, num_videos), shape, plan.pixel_bytes))
+                num_videos += 1
+                continue
+            image = self.intake.open(source, num_images)
+            height, width = self.preprocessor.target_size(image.width, image.height)
+            patch = self.preprocessor.patch_size
+            shape = MediaShape((1, height // patch, width // patch))
+            cost = self.preprocessor.plan(image.width, image.height).pixel_bytes
+            out.append(((image, num_images), shape, cost))
+            num_images += 1
+        return out
+
+    def _decode(self, opened: list) -> list[MediaItem]:
+        """Decode, key and (on a cache miss) cut into patches; one object per distinct item."""
         by_key: dict[bytes, PreparedImage] = {}
-        out = []
-        for index, item in enumerate(opened):
+        out: list[MediaItem] = []
+        for entry in opened:
+            if isinstance(entry[0], OpenedVideo):
+                out.append(self._decode_video(*entry))
+                continue
+            item, index = entry
             img = self.intake.decode(item, index)
             key = self.preprocessor.cache_key(img)
             image = by_key.get(key)
@@ -138,6 +177,14 @@ class EncoderPipeline:
                 by_key[key] = image
             out.append(image)
         return out
+
+    def _decode_video(self, video: OpenedVideo, plan: VideoPlan, index: int) -> MediaItem:
+        start = time.perf_counter()
+        with naming(index, "video"):
+            prepared = self.videos.prepare(video.data, video.header, plan, self.cache)
+        if self.on_video is not None:
+            self.on_video(prepared.num_frames, time.perf_counter() - start)
+        return prepared
 
     def discard(self, prompt: Prompt) -> None:
         """A prepared prompt that will not be submitted: give its pixel budget back."""
@@ -202,12 +249,26 @@ class EncoderPipeline:
             image_rows=task.image_rows(self.checkpoint.row_width, self.rows_dtype),
             image_mask=prompt.image_mask,
             mrope_delta=prompt.mrope_delta,
-            num_items=len(prompt.images),
-            image_hashes=[im.key.hex() for im in prompt.images],
-            image_token_counts=[im.num_tokens for im in prompt.images],
+            num_items=len(prompt.items),
+            image_hashes=[item.key.hex() for item in prompt.items],
+            image_token_counts=[item.num_tokens for item in prompt.items],
             num_cache_hits=task.num_cache_hits,
             encode_s=task.encode_s,
         )
 
     def close(self) -> None:
         self.batcher.close()
+
+
+def video_defaults(config: EncoderConfig, factor: int) -> VideoSettings:
+    """The encoder's video sampling defaults (and bounds), its 0s resolved for a checkpoint
+    whose merged patch is ``factor`` pixels wide: per frame 128 to 768 merged patches, in all
+    90% of the longest prompt's worth of pixels (qwen-vl-utils' rules)."""
+    return VideoSettings(
+        fps=config.video_fps,
+        min_frames=config.video_min_frames,
+        max_frames=config.video_max_frames,
+        min_pixels=config.video_min_pixels or 128 * factor**2,
+        max_pixels=config.video_max_pixels or 768 * factor**2,
+        total_pixels=config.video_total_pixels or int(config.prompt_token_limit * 0.9) * factor**2,
+    )

@@ -111,7 +111,7 @@ class EncoderService:
             raise
         task = self.pipeline.make_task(prompt, self._on_encoded(room), deadline)
         record = RoomRecord(
-            room, request.request_id, prompt.num_tokens, len(prompt.images), deadline, task=task
+            room, request.request_id, prompt.num_tokens, len(prompt.items), deadline, task=task
         )
         if self.config.ship_per_image and len(prompt.images) > 1:
             record.prompt = prompt
@@ -136,9 +136,9 @@ class EncoderService:
         return Accepted(
             room=room,
             num_tokens=prompt.num_tokens,
-            num_images=len(prompt.images),
+            num_images=len(prompt.items),
             num_image_tokens=int(prompt.image_mask.sum()),
-            image_hashes=[im.key.hex() for im in prompt.images],
+            image_hashes=[item.key.hex() for item in prompt.items],
         )
 
     def refuse(self, room: int, reason: str) -> None:
