@@ -1,0 +1,131 @@
+"""Bad videos: each is a clear ``InvalidInput`` naming the video, refused before decoding where
+the header tells, and nothing stays held in the pixel budget."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import pytest
+
+from services.encoder.config import EncoderConfig
+from services.encoder.errors import InvalidInput
+from services.encoder.pipeline import EncoderPipeline
+from services.encoder.types import (
+    ChatMessage,
+    ContentPart,
+    ImageSource,
+    VideoInput,
+    VideoSampling,
+)
+from tests.media import make_audio_only, make_empty_video, make_video
+
+
+def patched(data: bytes, box: bytes, offset: int, value: int) -> bytes:
+    """``data`` with the 32-bit field ``offset`` bytes into its first ``box`` set to ``value``."""
+    at = data.index(box) + offset
+    return data[:at] + struct.pack(">I", value) + data[at + 4 :]
+
+
+GOOD = make_video(num_frames=10)
+
+BAD = {
+    "random-bytes": (lambda: b"\x00\x01 not a video " * 64, "not a readable video"),
+    "truncated": (lambda: GOOD[: len(GOOD) // 2], "not a readable video"),
+    "audio-only": (make_audio_only, "no video stream (streams: audio)"),
+    "no-frames": (make_empty_video, "empty video data"),  # PyAV writes no container at all
+    "zero-frames": (lambda: patched(GOOD, b"stsz", 12, 0), "video stream holds no frames"),
+    "one-frame": (lambda: make_video(num_frames=1), "at least 2 are needed"),
+    # the sample table claims 1000 frame durations for 10 frames
+    "header-lies-longer": (lambda: patched(GOOD, b"stts", 12, 1000), "header says 1000 frames"),
+    # the sample-size table claims 5 frames, the stream holds 10
+    "header-lies-shorter": (lambda: patched(GOOD, b"stsz", 12, 5), "its stream holds 5"),
+    "empty": (lambda: b"", "empty video data"),
+}
+
+
+@pytest.fixture(scope="module")
+def video_pipeline(qwen25_dir):
+    pipe = EncoderPipeline(
+        qwen25_dir,
+        EncoderConfig(
+            device="cpu",
+            dtype="float32",
+            sender="none",
+            max_video_seconds=20,
+            max_video_frame_pixels=320 * 240,
+            max_video_bytes=1 << 20,
+            max_prompt_tokens=4096,
+        ),
+    )
+    yield pipe
+    pipe.close()
+
+
+def request(*videos: VideoInput, text: str = "What happens?") -> list[ChatMessage]:
+    parts = [ContentPart(text="Look: "), *(ContentPart(video=v) for v in videos)]
+    return [ChatMessage("user", (*parts, ContentPart(text=text)))]
+
+
+def refused(pipe: EncoderPipeline, messages) -> str:
+    with pytest.raises(InvalidInput) as info:
+        pipe.prepare(messages)
+    assert pipe.budget.used_bytes == 0
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_video_is_refused_naming_it(video_pipeline, name):
+    make, expected = BAD[name]
+    good = VideoInput(make_video(num_frames=8, seed=1))
+    message = refused(video_pipeline, request(good, VideoInput(make())))
+    assert message.startswith("video 1: ") and expected in message, message
+    # and the pipeline keeps serving
+    prompt = video_pipeline.prepare(request(good))
+    video_pipeline.discard(prompt)
+
+
+def test_limits_from_the_header(video_pipeline):
+    big = make_video(num_frames=4, width=640, height=480)
+    assert "640x480 = 307200 pixels; the limit is 76800" in refused(
+        video_pipeline, request(VideoInput(big))
+    )
+    long = make_video(num_frames=84, fps=4)  # 21 s
+    assert "21.0 s long; the limit is 20 s" in refused(video_pipeline, request(VideoInput(long)))
+    huge = VideoInput(ImageSource("data", bytes(2 << 20)))
+    assert "video is 2097152 bytes; the limit is 1048576" in refused(video_pipeline, request(huge))
+
+
+def test_sampling_beyond_the_encoder_is_refused(video_pipeline):
+    data = make_video(num_frames=8)
+    too_fast = VideoInput(data, VideoSampling(fps=100))
+    assert "fps is 100; this encoder allows at most 2" in refused(video_pipeline, request(too_fast))
+    crossed = VideoInput(data, VideoSampling(min_frames=8, max_frames=4))
+    assert "min_frames 8 > max_frames 4" in refused(video_pipeline, request(crossed))
+
+
+def test_too_many_videos_and_prompt_too_long(video_pipeline):
+    data = make_video(num_frames=8)
+    three = request(*(VideoInput(data) for _ in range(3)))
+    assert "3 videos; the limit is 2" in refused(video_pipeline, three)
+    long = make_video(num_frames=80, width=320, height=240, fps=4)  # 20 s at 2 fps: 40 frames
+    # a per-frame floor above the frames' share of the total budget
+    dense = VideoInput(long, VideoSampling(min_pixels=200_000, max_pixels=300_000))
+    message = refused(video_pipeline, request(dense))
+    assert "tokens" in message and "1 video), more than the limit of 4096" in message
+
+
+def test_sources_like_images(video_pipeline, tmp_path):
+    data = make_video(num_frames=8, seed=2)
+    as_bytes = video_pipeline.prepare(request(VideoInput(data)))
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    as_url = video_pipeline.prepare(request(VideoInput(ImageSource("base64", url))))
+    assert as_bytes.items[0].key == as_url.items[0].key
+    for prompt in (as_bytes, as_url):
+        video_pipeline.discard(prompt)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(data)
+    message = refused(video_pipeline, request(VideoInput(ImageSource("path", str(path)))))
+    assert "local video paths are disabled" in message
+    message = refused(video_pipeline, request(VideoInput(ImageSource("url", "http://x/a.mp4"))))
+    assert "video URLs are disabled" in message
