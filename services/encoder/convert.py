@@ -103,6 +103,8 @@ def load_to_proto(load: LoadReport) -> encoder_pb2.LoadReport:
         sender_stats_json=json.dumps(load.sender, default=str),
         transfer_layout=layout_to_proto(load.transfer_layout),
         max_prompt_tokens=load.max_prompt_tokens,
+        num_video_frames=load.num_video_frames,
+        video_decode_s=load.video_decode_s,
     )
 
 

@@ -77,6 +77,9 @@ class EncoderPipeline:
         self.on_prepare: Callable[[float], None] | None = None
         # Observer of each decoded video: (frames sampled, seconds decoding + preprocessing).
         self.on_video: Callable[[int, float], None] | None = None
+        self._video_lock = threading.Lock()
+        self.num_video_frames = 0  # lifetime totals, under _video_lock
+        self.video_decode_s = 0.0
 
     def prepare(
         self,
@@ -182,9 +185,18 @@ class EncoderPipeline:
         start = time.perf_counter()
         with naming(index, "video"):
             prepared = self.videos.prepare(video.data, video.header, plan, self.cache)
+        seconds = time.perf_counter() - start
+        with self._video_lock:
+            self.num_video_frames += prepared.num_frames
+            self.video_decode_s += seconds
         if self.on_video is not None:
-            self.on_video(prepared.num_frames, time.perf_counter() - start)
+            self.on_video(prepared.num_frames, seconds)
         return prepared
+
+    def video_totals(self) -> tuple[int, float]:
+        """(video frames decoded, seconds spent on videos) since the start."""
+        with self._video_lock:
+            return self.num_video_frames, self.video_decode_s
 
     def discard(self, prompt: Prompt) -> None:
         """A prepared prompt that will not be submitted: give its pixel budget back."""

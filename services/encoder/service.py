@@ -57,6 +57,8 @@ class LoadReport:
     sender_endpoint: str
     transfer_layout: BufferLayout  # the rows it sends (wire dtype)
     max_prompt_tokens: int  # longest prompt it accepts after image expansion
+    num_video_frames: int = 0  # video frames decoded since the start
+    video_decode_s: float = 0.0  # seconds spent probing, decoding and cutting videos
 
 
 def create_sender(config: EncoderConfig, layout: BufferLayout) -> Sender:
@@ -168,6 +170,7 @@ class EncoderService:
     def load(self) -> LoadReport:
         cache = self.pipeline.cache
         batcher = self.pipeline.batcher
+        num_video_frames, video_decode_s = self.pipeline.video_totals()
         return LoadReport(
             num_queued_requests=self.rooms.num_active(),
             num_queued_images=batcher.num_queued_images,
@@ -180,6 +183,8 @@ class EncoderService:
             sender_endpoint=self.sender.endpoint,
             transfer_layout=self.layout,
             max_prompt_tokens=self.max_prompt_tokens,
+            num_video_frames=num_video_frames,
+            video_decode_s=video_decode_s,
         )
 
     def close(self) -> None:

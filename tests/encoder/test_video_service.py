@@ -9,6 +9,7 @@ import json
 from prometheus_client import generate_latest
 from test_encoder_service import FakeSender, _hold_vit, _idle, _service, until
 
+from services.encoder.convert import load_to_proto
 from services.encoder.metrics import create_registry
 from services.encoder.types import (
     ChatMessage,
@@ -55,6 +56,8 @@ def test_video_ships_as_one_item_in_frame_groups(qwen25_dir):
         text = generate_latest(registry).decode()
         assert "epd_encoder_video_frames_total 16.0" in text  # 8 sampled frames, twice
         assert "epd_encoder_video_decode_seconds_count 2.0" in text
+        report = load_to_proto(service.load())  # what GetLoad and the status page show
+        assert report.num_video_frames == 16 and report.video_decode_s > 0
         _idle(service)
     finally:
         service.close()
