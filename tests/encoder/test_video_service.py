@@ -81,3 +81,21 @@ def test_cancelled_video_gives_its_patch_bytes_back(qwen25_dir):
     finally:
         gate.set()
         service.close()
+
+
+def test_deadline_passing_during_intake_fails_the_room_and_frees_it(qwen25_dir):
+    """The deadline passes while the video is decoded (the request left no time at all): the
+    ViT loop drops the room unencoded, the sender fails it, its patch bytes come back."""
+    sender = FakeSender()
+    service = _service(qwen25_dir, sender)
+    try:
+        request = video_request(1)
+        request = EncodeRequest(request.room, request.request_id, request.messages, timeout_s=1e-9)
+        service.accept(request)
+        record = service.wait(1, RoomStatus.SHIPPED, 30)
+        assert record.status == RoomStatus.FAILED and "deadline" in record.error
+        assert "deadline" in sender.failed[1]
+        assert until(lambda: service.load().queued_pixel_bytes == 0)
+        _idle(service)
+    finally:
+        service.close()
