@@ -39,13 +39,13 @@ def make_video(
     return buf.getvalue()
 
 
-def make_audio_only(seconds: float = 1.0, rate: int = 8000) -> bytes:
-    """A WAV file: a container with one audio stream and no video."""
+def make_audio_only(seconds: float = 1.0, rate: int = 8000, container: str = "mp4") -> bytes:
+    """A container with one audio stream (AAC) and no video."""
     buf = io.BytesIO()
-    with av.open(buf, "w", format="wav") as out:
-        stream = out.add_stream("pcm_s16le", rate=rate)
-        samples = np.zeros((1, int(seconds * rate)), np.int16)
-        frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream("aac", rate=rate)
+        samples = np.zeros((1, int(seconds * rate)), np.float32)
+        frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")
         frame.sample_rate = rate
         for packet in stream.encode(frame):
             out.mux(packet)

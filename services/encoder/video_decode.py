@@ -13,6 +13,10 @@ Two steps, so limits come before pixels:
 
 Every failure is an ``InvalidInput``: corrupt, truncated, audio-only, unsupported, zero frames,
 over a limit, or lying about its length.
+
+NOTE: only the container demuxers in ``CONTAINERS`` are ever used (FFmpeg's
+``format_whitelist``): playlist and concat demuxers (HLS, ffconcat) would otherwise open the
+files or URLs a crafted "video" names.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import numpy as np
 
 from .decode import DecodeLimits, check_size
 from .errors import InvalidInput
+
+CONTAINERS = "mov,mp4,matroska,webm,avi,mpegts,flv,ogg"  # demuxers a video may use
 
 
 @dataclass(frozen=True)
@@ -147,14 +153,14 @@ def decode_frames(
 
 def _open(data: bytes):
     try:
-        return av.open(io.BytesIO(data), mode="r")
+        return av.open(io.BytesIO(data), mode="r", options={"format_whitelist": CONTAINERS})
     except av.FFmpegError as exc:
         raise InvalidInput(
             "data is not a readable video: corrupt, truncated or an unsupported format "
             f"({_why(exc)})"
         ) from None
     except (ValueError, OSError, EOFError) as exc:
-        raise InvalidInput(f"corrupt or truncated video ({exc})") from None
+        raise InvalidInput(f"corrupt or truncated video ({_why(exc)})") from None
 
 
 def _why(exc: Exception) -> str:

@@ -41,6 +41,19 @@ BAD = {
     # the sample-size table claims 5 frames, the stream holds 10
     "header-lies-shorter": (lambda: patched(GOOD, b"stsz", 12, 5), "its stream holds 5"),
     "empty": (lambda: b"", "empty video data"),
+    # containers other than video ones are never opened (an HLS playlist or an ffconcat list
+    # would make FFmpeg open the files or URLs it names)
+    "hls-playlist": (
+        lambda: (
+            b"#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1,\nfile:///etc/passwd\n#EXT-X-ENDLIST\n"
+        ),
+        "not a readable video",
+    ),
+    "ffconcat": (lambda: b"ffconcat version 1.0\nfile /etc/passwd\n", "not a readable video"),
+    "one-frame-webm": (
+        lambda: make_video(num_frames=1, codec="libvpx-vp9", container="webm"),
+        "at least 2 are needed",
+    ),
 }
 
 
