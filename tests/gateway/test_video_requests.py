@@ -101,3 +101,12 @@ def test_openai_video_url_must_be_a_data_or_http_url():
     assert info.value.status == 400
     assert info.value.param == "messages[0].content[0].video_url.url"
     assert "must be a data: URL or an http(s) URL" in info.value.message
+
+
+def test_client_request_places_videos_then_images_then_text():
+    from services.gateway.client import build_request
+
+    request = build_request("Why?", [b"png"], max_tokens=3, videos=[b"mp4"])
+    kinds = [p.WhichOneof("part") for p in request.messages[0].content]
+    assert kinds == ["video", "image", "text"]
+    assert request.messages[0].content[0].video.source.data == b"mp4"
