@@ -38,7 +38,7 @@ from .intake import ImageInput, ImageIntake, OpenedVideo, VideoIntake, naming
 from .messages import normalize_messages
 from .preprocess import ImagePreprocessor
 from .prompt import MediaShape, PromptBuilder, template_messages
-from .types import EncodedPrompt, MediaItem, PreparedImage, Prompt, RequestLimits, VideoInput
+from .types import EncodedPrompt, MediaItem, Prompt, RequestLimits, VideoInput
 from .video_prep import VideoPreprocessor
 from .video_sampling import VideoPlan, VideoSettings
 from .vision import VisionTower
@@ -161,11 +161,13 @@ class EncoderPipeline:
 
     def _decode(self, opened: list) -> list[MediaItem]:
         """Decode, key and (on a cache miss) cut into patches; one object per distinct item."""
-        by_key: dict[bytes, PreparedImage] = {}
+        by_key: dict[bytes, MediaItem] = {}
         out: list[MediaItem] = []
         for entry in opened:
             if isinstance(entry[0], OpenedVideo):
-                out.append(self._decode_video(*entry))
+                video = self._decode_video(*entry)
+                video = by_key.setdefault(video.key, video)  # the same video twice: one object
+                out.append(video)
                 continue
             item, index = entry
             img = self.intake.decode(item, index)

@@ -33,6 +33,8 @@ from .decode import DecodeLimits, check_size
 from .errors import InvalidInput
 
 CONTAINERS = "mov,mp4,matroska,webm,avi,mpegts,flv,ogg"  # demuxers a video may use
+# What PyAV raises on bytes it cannot make sense of (text it cannot decode is a ValueError).
+UNREADABLE = (av.FFmpegError, ValueError, TypeError, OverflowError, EOFError, MemoryError)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,9 @@ def probe_video(data: bytes, limits: VideoLimits) -> VideoHeader:
             raise InvalidInput(f"video has {declared} frames; the limit is {limits.max_frames}")
         num_frames = _count_packets(container, stream, limits.max_frames)
         codec = ctx.name
-    except av.FFmpegError as exc:
+    except InvalidInput:
+        raise
+    except UNREADABLE as exc:
         raise InvalidInput(f"corrupt or truncated video ({_why(exc)})") from None
     finally:
         container.close()
@@ -141,7 +145,9 @@ def decode_frames(
                 if pos == len(todo):
                     return
             index += 1
-    except av.FFmpegError as exc:
+    except InvalidInput:
+        raise
+    except UNREADABLE as exc:
         raise InvalidInput(f"corrupt or truncated video ({_why(exc)})") from None
     finally:
         container.close()

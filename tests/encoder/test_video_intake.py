@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import struct
 
+import numpy as np
 import pytest
 
 from services.encoder.config import EncoderConfig
@@ -142,3 +143,31 @@ def test_sources_like_images(video_pipeline, tmp_path):
     assert "local video paths are disabled" in message
     message = refused(video_pipeline, request(VideoInput(ImageSource("url", "http://x/a.mp4"))))
     assert "video URLs are disabled" in message
+
+
+@pytest.mark.parametrize("container,codec", [("mp4", "mpeg4"), ("webm", "libvpx-vp9")])
+def test_random_damage_is_refused_or_decoded_never_anything_else(video_pipeline, container, codec):
+    """Bytes flipped, cut or overwritten anywhere: the request is served or refused with a clear
+    ``InvalidInput``; no other exception escapes and nothing stays held."""
+    good = make_video(num_frames=12, codec=codec, container=container, seed=5)
+    rng = np.random.default_rng(1)
+    refused_count = 0
+    for trial in range(45):
+        data = bytearray(good)
+        if trial % 3 == 0:
+            for at in rng.integers(0, len(data), size=8):
+                data[at] = int(rng.integers(0, 256))
+        elif trial % 3 == 1:
+            data = data[: int(rng.integers(1, len(data)))]
+        else:
+            at = int(rng.integers(0, len(data)))
+            data[at : at + 64] = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()
+        try:
+            prompt = video_pipeline.prepare(request(VideoInput(bytes(data))))
+        except InvalidInput as exc:
+            assert str(exc).startswith("video 0: ")
+            refused_count += 1
+        else:
+            video_pipeline.discard(prompt)
+        assert video_pipeline.budget.used_bytes == 0
+    assert refused_count > 0

@@ -99,3 +99,20 @@ def test_deadline_passing_during_intake_fails_the_room_and_frees_it(qwen25_dir):
         _idle(service)
     finally:
         service.close()
+
+
+def test_the_same_video_twice_in_a_request_is_encoded_once(qwen25_dir):
+    sender = FakeSender()
+    service = _service(qwen25_dir, sender)
+    try:
+        parts = [ContentPart(video=VideoInput(ImageSource("data", CLIP))) for _ in range(2)]
+        message = ChatMessage("user", (*parts, ContentPart(text="Same?")))
+        accepted = service.accept(EncodeRequest(1, "r1", (message,)))
+        assert accepted.image_hashes[0] == accepted.image_hashes[1]
+        assert service.wait(1, RoomStatus.SHIPPED, 30).status == RoomStatus.SHIPPED
+        assert service.pipeline.batcher.num_images_encoded == 4  # its 4 frame groups, once
+        _, _, rows, aux, mask = sender.submitted[1]
+        assert rows.shape[0] == int(mask.sum()) == 2 * json.loads(aux.extra)["tokens"][0]
+        _idle(service)
+    finally:
+        service.close()
