@@ -58,8 +58,10 @@ class EncoderConfig:
         "record describes: 23 with the default max_prompt_tokens)",
     )
     max_prompt_tokens: int = field(32768, help="longest prompt after image expansion, in tokens")
-    allowed_dirs: tuple[str, ...] = field((), help="directories local image paths may lie under")
-    allow_urls: bool = field(False, help="fetch http(s) image URLs")
+    allowed_dirs: tuple[str, ...] = field(
+        (), help="directories local image and video paths may lie under"
+    )
+    allow_urls: bool = field(False, help="fetch http(s) image and video URLs")
     allow_private_urls: bool = field(
         False, help="allow URLs resolving to private/loopback/link-local addresses"
     )

@@ -8,6 +8,8 @@ reference samples the same frames at the same size.
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 import torch
@@ -38,10 +40,16 @@ def video_env(arch: str) -> tuple[dict[str, str], VideoSpec]:
     return env, spec
 
 
-def request(video: bytes, images: list[bytes] = (), text: str = "What happens?"):
+def request(
+    video: bytes,
+    images: list[bytes] = (),
+    text: str = "What happens?",
+    sampling: common_pb2.VideoSampling | None = None,
+):
     """One user turn: the video, then the images, then the text (the reference's layout)."""
     source = common_pb2.ImageSource(data=video)
-    parts = [common_pb2.ContentPart(video=common_pb2.VideoPart(source=source))]
+    part = common_pb2.VideoPart(source=source, sampling=sampling)
+    parts = [common_pb2.ContentPart(video=part)]
     parts += [common_pb2.ContentPart(image=common_pb2.ImageSource(data=b)) for b in images]
     parts.append(common_pb2.ContentPart(text=text))
     return gateway_pb2.GenerateRequest(
@@ -58,7 +66,7 @@ def reference_messages(num_images: int, text: str = "What happens?") -> list[dic
 @pytest.mark.parametrize("arch", ARCHS)
 def test_video_greedy_equals_monolithic(arch, tiny_model_dir, stack_factory):
     """One video, then the same video again (encoder cache and radix cache hit), then a video
-    plus an image; nothing is left held."""
+    plus an image, then the video sampled at 1 fps (another prompt); nothing is left held."""
     model_dir = tiny_model_dir(arch)
     env, spec = video_env(arch)
     ref = HFReference(model_dir, wire_dtype=torch.bfloat16)
@@ -69,6 +77,9 @@ def test_video_greedy_equals_monolithic(arch, tiny_model_dir, stack_factory):
     image = noise_image(8, 112, 84)
     mixed_inputs = ref.build_video_inputs(reference_messages(1), [image], video, spec)
     mixed_expected = ref.generate(mixed_inputs, MAX_TOKENS)
+    slow_spec = dataclasses.replace(spec, fps=1.0)  # 3 s at 1 fps: min_frames 4
+    slow_inputs = ref.build_video_inputs(reference_messages(0), [], video, slow_spec)
+    slow_expected = ref.generate(slow_inputs, MAX_TOKENS)
     with stack.client() as client:
         first = client.unary_request(request(video), timeout=120)
         assert list(first.token_ids) == expected
@@ -83,8 +94,15 @@ def test_video_greedy_equals_monolithic(arch, tiny_model_dir, stack_factory):
         mixed = client.unary_request(request(video, [png_bytes(image)]), timeout=120)
         assert list(mixed.token_ids) == mixed_expected
         assert mixed.usage.prompt_tokens == mixed_inputs.input_ids.shape[1]
+
+        slow_request = request(video, sampling=common_pb2.VideoSampling(fps=1.0))
+        slow = client.unary_request(slow_request, timeout=120)
+        assert list(slow.token_ids) == slow_expected
+        assert slow.usage.prompt_tokens == slow_inputs.input_ids.shape[1]
+        assert slow.timing.encoder_cache_hits == 0  # other frames: nothing to reuse
     load = stack.encoder_load()
-    assert load.num_images_encoded == 3 + 1  # the video's 3 frame groups once, the image
+    # the video's 3 frame groups once, the image, the 1 fps video's 2 groups
+    assert load.num_images_encoded == 3 + 1 + 2
     stack.wait_no_leaks()
 
 

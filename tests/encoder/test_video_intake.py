@@ -4,6 +4,7 @@ the header tells, and nothing stays held in the pixel budget."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import struct
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 from services.encoder.config import EncoderConfig
 from services.encoder.errors import InvalidInput
+from services.encoder.intake import VideoIntake
 from services.encoder.pipeline import EncoderPipeline
 from services.encoder.types import (
     ChatMessage,
@@ -171,3 +173,40 @@ def test_random_damage_is_refused_or_decoded_never_anything_else(video_pipeline,
             video_pipeline.discard(prompt)
         assert video_pipeline.budget.used_bytes == 0
     assert refused_count > 0
+
+
+def test_allowed_paths_and_urls_like_images(tmp_path):
+    """The image sources' policy, with the video byte limit: a file under an allowed directory
+    and an http(s) URL (where private addresses are allowed) give the same video as its bytes."""
+    import http.server
+    import threading
+
+    data = make_video(num_frames=8, seed=6)
+    (tmp_path / "clip.mp4").write_bytes(data)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's API
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = EncoderConfig(allowed_dirs=(str(tmp_path),), allow_urls=True, allow_private_urls=True)
+    intake = VideoIntake(config)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/clip.mp4"
+        sources = [data, ImageSource("path", str(tmp_path / "clip.mp4")), ImageSource("url", url)]
+        opened = [intake.open(VideoInput(source), 0) for source in sources]
+        assert all(o.data == data for o in opened)
+        assert {o.header for o in opened} == {opened[0].header}
+        small = VideoIntake(dataclasses.replace(config, max_video_bytes=100))
+        with pytest.raises(InvalidInput, match=r"video 0: URL body is \d+ bytes; the limit is 100"):
+            small.open(VideoInput(ImageSource("url", url)), 0)
+    finally:
+        server.shutdown()
+        server.server_close()
