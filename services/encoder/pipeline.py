@@ -1,4 +1,4 @@
-"""The encoder without gRPC or shipping: messages + images -> ``EncodedPrompt``.
+"""The encoder without gRPC or shipping: messages + images and videos -> ``EncodedPrompt``.
 
 Two halves: ``prepare`` (synchronous: intake, validation, resize, tokenization, positions; raises
 ``InvalidInput``, or ``Overloaded`` when the pixel budget is full) and ``submit`` (asynchronous:
@@ -6,17 +6,19 @@ the ViT loop, cache). ``encode`` does both and waits. Thread-safe; ``prepare`` m
 threads at once. A prepared prompt holds a share of the pixel budget until the ViT consumed its
 patches: submit it or ``discard`` it.
 
-``prepare`` works in the order that keeps memory bounded: image count; source bytes and headers
-(size, pixel and aspect limits, no pixels decoded); the prompt's length from the headers' token
-counts and the tokenized text; the pixel budget; and only then decoding, the cache lookup and,
-on a miss, resizing and the image processor.
+``prepare`` works in the order that keeps memory bounded: image and video counts; source bytes
+and headers (size, pixel and aspect limits, no pixels decoded; a video's container probed and
+its frames planned, ``video_sampling``); the prompt's length from the headers' token counts and
+the tokenized text; the pixel budget; and only then decoding, the cache lookup and, on a miss,
+resizing and the image processor (a video: its chosen frames, one ViT unit per frame group).
 
 Messages are ``ChatMessage`` objects or template-style dicts::
 
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}
 
 A dict image part takes its image from ``{"type": "image", "image": x}`` or, when it has none,
-from the next entry of ``images`` (PIL images, encoded bytes or ``ImageSource``).
+from the next entry of ``images`` (PIL images, encoded bytes or ``ImageSource``); a video part
+is ``{"type": "video", "video": VideoInput | bytes | str}``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.transfer.layout import parse_dtype
@@ -34,7 +37,7 @@ from .cache import EmbeddingCache
 from .checkpoint import load_checkpoint
 from .config import EncoderConfig
 from .errors import InvalidInput, Overloaded
-from .intake import ImageInput, ImageIntake, OpenedVideo, VideoIntake, naming
+from .intake import ImageInput, ImageIntake, OpenedImage, OpenedVideo, VideoIntake, naming
 from .messages import normalize_messages
 from .preprocess import ImagePreprocessor
 from .prompt import MediaShape, PromptBuilder, template_messages
@@ -44,6 +47,17 @@ from .video_sampling import VideoPlan, VideoSettings
 from .vision import VisionTower
 
 MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class OpenedItem:
+    """An image or a video of a request whose header passed the limits (nothing decoded)."""
+
+    opened: OpenedImage | OpenedVideo
+    index: int  # among the request's images, or among its videos
+    shape: MediaShape  # what its placeholder expands to
+    pixel_bytes: int  # its fp32 patches
+    plan: VideoPlan | None = None  # a video's frames and size
 
 
 class EncoderPipeline:
@@ -114,8 +128,8 @@ class EncoderPipeline:
         max_tokens = min(
             x for x in (self.config.prompt_token_limit, limits.max_prompt_tokens) if x > 0
         )
-        self.prompts.check_length(ids, [shape for _, shape, _ in opened], max_tokens)
-        need = sum(cost for _, _, cost in opened)
+        self.prompts.check_length(ids, [item.shape for item in opened], max_tokens)
+        need = sum(item.pixel_bytes for item in opened)
         if not self.budget.try_reserve(need):
             raise Overloaded(
                 f"encoder pixel budget full: the request's images need {need / MIB:.1f} MiB of "
@@ -123,7 +137,7 @@ class EncoderPipeline:
                 f"{self.budget.capacity_bytes / MIB:.0f} MiB are queued"
             )
         try:
-            prompt = self.prompts.build(ids, self._decode([item for item, _, _ in opened]))
+            prompt = self.prompts.build(ids, self._decode(opened))
         except BaseException:
             self.budget.release(need)
             raise
@@ -136,9 +150,9 @@ class EncoderPipeline:
         self.budget.release(need - held)
         return prompt
 
-    def _open(self, sources: list) -> list[tuple[object, MediaShape, int]]:
-        """Each source read and its header checked: (opened, its shape, its patch bytes)."""
-        out: list[tuple[object, MediaShape, int]] = []
+    def _open(self, sources: list) -> list[OpenedItem]:
+        """Each source read and its header checked, in prompt order."""
+        out: list[OpenedItem] = []
         num_images = num_videos = 0
         for source in sources:
             if isinstance(source, VideoInput):
@@ -147,7 +161,7 @@ class EncoderPipeline:
                     settings = VideoSettings.resolve(source.sampling, self.videos.defaults)
                     plan = self.videos.plan(video.header, settings)
                 shape = MediaShape(plan.grid_thw, True, plan.timestamps)
-                out.append(((video, plan, num_videos), shape, plan.pixel_bytes))
+                out.append(OpenedItem(video, num_videos, shape, plan.pixel_bytes, plan))
                 num_videos += 1
                 continue
             image = self.intake.open(source, num_images)
@@ -155,22 +169,21 @@ class EncoderPipeline:
             patch = self.preprocessor.patch_size
             shape = MediaShape((1, height // patch, width // patch))
             cost = self.preprocessor.plan(image.width, image.height).pixel_bytes
-            out.append(((image, num_images), shape, cost))
+            out.append(OpenedItem(image, num_images, shape, cost))
             num_images += 1
         return out
 
-    def _decode(self, opened: list) -> list[MediaItem]:
+    def _decode(self, opened: list[OpenedItem]) -> list[MediaItem]:
         """Decode, key and (on a cache miss) cut into patches; one object per distinct item."""
         by_key: dict[bytes, MediaItem] = {}
         out: list[MediaItem] = []
-        for entry in opened:
-            if isinstance(entry[0], OpenedVideo):
-                video = self._decode_video(*entry)
+        for item in opened:
+            if isinstance(item.opened, OpenedVideo):
+                video = self._decode_video(item.opened, item.plan, item.index)
                 video = by_key.setdefault(video.key, video)  # the same video twice: one object
                 out.append(video)
                 continue
-            item, index = entry
-            img = self.intake.decode(item, index)
+            img = self.intake.decode(item.opened, item.index)
             key = self.preprocessor.cache_key(img)
             image = by_key.get(key)
             if image is None:
