@@ -126,22 +126,16 @@ class PromptBuilder:
         """The prompt of the template ids ``ids`` whose placeholders are ``items``."""
         shapes = [MediaShape.of(item) for item in items]
         where = self._placeholders(ids, shapes)
-        pieces_ids, pieces_types, pad_ids = [], [], []
+        pieces: list[tuple[np.ndarray, np.ndarray, int]] = []  # (ids, mm types, item's pad id)
         prev = 0
         for start, item, shape in zip(where, items, shapes, strict=True):
-            pieces_ids += [ids[prev:start]]
-            pieces_types += [np.zeros(start - prev, np.int64)]
-            pad_ids += [np.zeros(start - prev, np.int64)]
-            exp_ids, exp_types = self.expansion(shape)
-            pieces_ids.append(exp_ids)
-            pieces_types.append(exp_types)
-            pad_ids.append(np.where(exp_types > 0, pad_id_for(item.key, self._vocab_size), 0))
+            pieces.append((ids[prev:start], np.zeros(start - prev, np.int64), 0))
+            pieces.append((*self.expansion(shape), pad_id_for(item.key, self._vocab_size)))
             prev = start + 1
-        pieces_ids.append(ids[prev:])
-        pieces_types.append(np.zeros(len(ids) - prev, np.int64))
-        pad_ids.append(np.zeros(len(ids) - prev, np.int64))
-        input_ids = np.concatenate(pieces_ids).astype(np.int64)
-        mm_types = np.concatenate(pieces_types)
+        pieces.append((ids[prev:], np.zeros(len(ids) - prev, np.int64), 0))
+        input_ids = np.concatenate([p[0] for p in pieces]).astype(np.int64)
+        mm_types = np.concatenate([p[1] for p in pieces])
+        pad_ids = np.concatenate([np.where(p[1] > 0, p[2], 0) for p in pieces])
         videos = [item for item in items if isinstance(item, PreparedVideo)]
         positions, delta = self._rope.positions(
             input_ids,
@@ -151,12 +145,11 @@ class PromptBuilder:
             [v.second_per_grid_t for v in videos],
         )
         image_mask = mm_types > 0
-        fill_ids = np.where(image_mask, np.concatenate(pad_ids), input_ids).astype(np.int32)
+        fill_ids = np.where(image_mask, pad_ids, input_ids).astype(np.int32)
         units: list[PreparedImage] = []
         for item in items:
             units += item.groups if isinstance(item, PreparedVideo) else [item]
-        runs = [len(s.timestamps) if s.is_video and self._timestamps else 1 for s in shapes]
-        return Prompt(fill_ids, positions, delta, image_mask, units, list(items), runs)
+        return Prompt(fill_ids, positions, delta, image_mask, units, list(items))
 
     def _placeholders(self, ids: np.ndarray, shapes: list[MediaShape]) -> np.ndarray:
         """Where each placeholder is; ``InvalidInput`` unless they match ``shapes`` in kind."""

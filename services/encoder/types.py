@@ -141,7 +141,6 @@ class Prompt:
     image_mask: np.ndarray  # bool [L]: the tokens that get rows (image and video)
     images: list[PreparedImage] = field(default_factory=list)
     items: list[MediaItem] = field(default_factory=list)
-    item_runs: list[int] = field(default_factory=list)  # contiguous token runs of each item
 
     @property
     def num_tokens(self) -> int:
