@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -193,3 +194,20 @@ def test_sampling_settings_change_identity(pipelines):
     assert a.fill_ids[a.image_mask][0] != b.fill_ids[b.image_mask][0]
     for prompt in (a, b, c):
         pipe.discard(prompt)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_processor_fallback_cuts_the_same_patches(pipelines, arch):
+    """Where the lookup table is not used (a processor setting it does not reproduce), each
+    frame goes through the image processor and one temporal slice is kept: the same values."""
+    from services.encoder.video_prep import VideoPreprocessor
+
+    pipe = pipelines[arch]
+    rng = np.random.default_rng(2)
+    side = pipe.preprocessor.factor * 2
+    frames = [rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for _ in range(2)]
+    fast = pipe.videos.cut(frames)
+    images = copy.copy(pipe.preprocessor)
+    images._cutter = None
+    slow = VideoPreprocessor(images, pipe.videos.defaults).cut(frames)
+    assert torch.equal(fast, slow)
