@@ -94,7 +94,8 @@ class EncoderConfig:
     video_total_pixels: int = field(
         0,
         help="pixels of all sampled frames of one video together (each frame gets its share, "
-        "never below 1.05 x video_min_pixels); 0 = 90% of max_prompt_tokens' worth",
+        "never below 1.05 x video_min_pixels); 0 = 90% of the request's prompt limit's worth "
+        "(max_prompt_tokens, or the language worker's lower limit the gateway sends)",
     )
     # preprocessing
     min_pixels: int = field(0, help="smart_resize lower bound in pixels; 0 = the checkpoint's")

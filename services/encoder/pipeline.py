@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.transfer.layout import parse_dtype
@@ -123,11 +123,11 @@ class EncoderPipeline:
             raise InvalidInput(
                 f"request has {num_videos} videos; the limit is {self.config.max_videos}"
             )
-        opened = self._open(sources)
-        ids = self.prompts.text_ids(template_messages(chat))
         max_tokens = min(
             x for x in (self.config.prompt_token_limit, limits.max_prompt_tokens) if x > 0
         )
+        opened = self._open(sources, max_tokens)
+        ids = self.prompts.text_ids(template_messages(chat))
         self.prompts.check_length(ids, [item.shape for item in opened], max_tokens)
         need = sum(item.pixel_bytes for item in opened)
         if not self.budget.try_reserve(need):
@@ -150,8 +150,10 @@ class EncoderPipeline:
         self.budget.release(need - held)
         return prompt
 
-    def _open(self, sources: list) -> list[OpenedItem]:
-        """Each source read and its header checked, in prompt order."""
+    def _open(self, sources: list, max_tokens: int) -> list[OpenedItem]:
+        """Each source read and its header checked, in prompt order. A video's default total
+        pixel budget is 90% of ``max_tokens`` (the request's prompt limit: the language worker's
+        context) when the encoder sets none, so a long video is sampled smaller, not refused."""
         out: list[OpenedItem] = []
         num_images = num_videos = 0
         for source in sources:
@@ -159,6 +161,9 @@ class EncoderPipeline:
                 video = self.video_intake.open(source, num_videos)
                 with naming(num_videos, "video"):
                     settings = VideoSettings.resolve(source.sampling, self.videos.defaults)
+                    if not (source.sampling.total_pixels or self.config.video_total_pixels):
+                        fit = int(max_tokens * 0.9) * self.preprocessor.factor**2
+                        settings = replace(settings, total_pixels=min(settings.total_pixels, fit))
                     plan = self.videos.plan(video.header, settings)
                 shape = MediaShape(plan.grid_thw, True, plan.timestamps)
                 out.append(OpenedItem(video, num_videos, shape, plan.pixel_bytes, plan))
@@ -290,7 +295,8 @@ class EncoderPipeline:
 def video_defaults(config: EncoderConfig, factor: int) -> VideoSettings:
     """The encoder's video sampling defaults (and bounds), its 0s resolved for a checkpoint
     whose merged patch is ``factor`` pixels wide: per frame 128 to 768 merged patches, in all
-    90% of the longest prompt's worth of pixels (qwen-vl-utils' rules)."""
+    90% of the longest prompt's worth of pixels (qwen-vl-utils' rules; a request whose prompt
+    limit is lower gets 90% of that, see ``_open``)."""
     return VideoSettings(
         fps=config.video_fps,
         min_frames=config.video_min_frames,

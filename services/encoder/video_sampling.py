@@ -51,10 +51,11 @@ class VideoSettings:
             total_pixels=asked.total_pixels or default.total_pixels,
         )
         for name in ("fps", "max_frames", "max_pixels", "total_pixels"):
-            if getattr(out, name) > getattr(default, name):
+            value, bound = getattr(out, name), getattr(default, name)
+            if value > bound:
+                value, bound = (f"{value:g}", f"{bound:g}") if name == "fps" else (value, bound)
                 raise InvalidInput(
-                    f"video sampling {name} is {getattr(out, name):g}; this encoder allows at "
-                    f"most {getattr(default, name):g}"
+                    f"video sampling {name} is {value}; this encoder allows at most {bound}"
                 )
         if out.min_frames > out.max_frames:
             raise InvalidInput(f"video min_frames {out.min_frames} > max_frames {out.max_frames}")

@@ -210,3 +210,22 @@ def test_allowed_paths_and_urls_like_images(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_default_budget_follows_the_request_prompt_limit(video_pipeline):
+    """With no total pixel budget set, a video is sampled to fit 90% of the request's prompt
+    limit (what the gateway sends: the language worker's context), not refused."""
+    from services.encoder.types import RequestLimits
+
+    data = make_video(num_frames=80, width=320, height=240, fps=4, seed=8)  # 20 s: 40 frames
+    clip = VideoInput(data, VideoSampling(min_pixels=16 * 28 * 28))  # a low per-frame floor
+    wide = video_pipeline.prepare(request(clip))
+    narrow = video_pipeline.prepare(request(clip), limits=RequestLimits(max_prompt_tokens=1500))
+    for prompt in (wide, narrow):
+        video_pipeline.discard(prompt)
+    assert len(wide.items[0].groups) == len(narrow.items[0].groups) == 20  # same frames
+    assert wide.items[0].num_tokens > 1500 * 0.9 >= narrow.items[0].num_tokens
+    asked = VideoInput(data, VideoSampling(min_pixels=16 * 28 * 28, total_pixels=2_800_000))
+    with pytest.raises(InvalidInput, match="more than the limit of 1500"):
+        video_pipeline.prepare(request(asked), limits=RequestLimits(max_prompt_tokens=1500))
+    assert video_pipeline.budget.used_bytes == 0
