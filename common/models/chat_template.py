@@ -1,8 +1,9 @@
 """The VL chat template written into generated checkpoints.
 
 The Qwen-VL format: ChatML turns, a default system turn, and each image rendered as
-``<|vision_start|><|image_pad|><|vision_end|>`` where the image part stands in the content list.
-The encoder later expands each single ``<|image_pad|>`` to the image's token count.
+``<|vision_start|><|image_pad|><|vision_end|>`` where the image part stands in the content list
+(a video ``<|vision_start|><|video_pad|><|vision_end|>``). The encoder later expands each single
+``<|image_pad|>`` / ``<|video_pad|>`` to the item's tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{%- else -%}"
     "{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part['type'] == 'video' -%}<|vision_start|><|video_pad|><|vision_end|>"
     "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
     "{%- endif -%}"
     "{%- endfor -%}"

@@ -22,6 +22,17 @@ class ReferenceInputs:
     mm_token_type_ids: torch.Tensor  # [1, L], 1 at image tokens
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
+    # a video (``hf_video_reference``): its patches, grid and seconds per frame group
+    video: dict[str, torch.Tensor] | None = None
+
+    def vision_kwargs(self, device: str) -> dict[str, torch.Tensor]:
+        kwargs = {}
+        if self.pixel_values is not None:
+            kwargs["pixel_values"] = self.pixel_values.to(device)
+            kwargs["image_grid_thw"] = self.image_grid_thw.to(device)
+        for name, value in (self.video or {}).items():
+            kwargs[name] = value.to(device)
+        return kwargs
 
 
 class HFReference:
@@ -90,16 +101,53 @@ class HFReference:
         mm = (ids == self.config.image_token_id).long()
         return ReferenceInputs(ids, mm, pixel_values, grid_thw)
 
+    def build_video_inputs(
+        self, messages: list[dict], images: list[Image.Image], video: bytes, spec
+    ) -> ReferenceInputs:
+        """``messages`` with one ``{"type": "video"}`` part (the encoded ``video``, sampled by
+        ``spec``, a ``hf_video_reference.VideoSpec``) and its image parts (``images``)."""
+        from common.models.hf_video_reference import (
+            expand_video_text,
+            mm_token_types,
+            reference_video,
+        )
+
+        ref = reference_video(video, self.image_processor, spec)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        text = expand_video_text(
+            text,
+            ref,
+            self.image_processor.merge_size,
+            timestamps=self.config.model_type == "qwen3_vl",
+        )
+        pixel_values = grid_thw = None
+        if images:
+            out = self.image_processor(
+                images=[im.convert("RGB") for im in images], return_tensors="pt"
+            )
+            pixel_values, grid_thw = out["pixel_values"], out["image_grid_thw"]
+            merge = self.image_processor.merge_size**2
+            pieces = text.split("<|image_pad|>")
+            text = pieces[0]
+            for thw, piece in zip(grid_thw, pieces[1:], strict=True):
+                text += "<|image_pad|>" * (int(thw.prod()) // merge) + piece
+        ids = self.tokenizer(text, return_tensors="pt").input_ids
+        video_kwargs = {
+            "pixel_values_videos": ref.pixel_values_videos,
+            "video_grid_thw": ref.video_grid_thw,
+        }
+        if self.config.model_type == "qwen2_5_vl":
+            video_kwargs["second_per_grid_ts"] = torch.tensor([ref.second_per_grid_t])
+        mm = mm_token_types(ids, self.config)
+        return ReferenceInputs(ids, mm, pixel_values, grid_thw, video_kwargs)
+
     @torch.no_grad()
     def next_token_logprobs(self, inputs: ReferenceInputs) -> torch.Tensor:
         """Log-probabilities (float32, [vocab]) of the token after the prompt."""
         ids = inputs.input_ids.to(self.device)
-        kwargs = {}
-        if inputs.pixel_values is not None:
-            kwargs = {
-                "pixel_values": inputs.pixel_values.to(self.device),
-                "image_grid_thw": inputs.image_grid_thw.to(self.device),
-            }
+        kwargs = inputs.vision_kwargs(self.device)
         out = self.model(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
@@ -111,12 +159,7 @@ class HFReference:
     @torch.no_grad()
     def generate(self, inputs: ReferenceInputs, max_new_tokens: int = 16) -> list[int]:
         """Greedy continuation token ids (EOS included when produced)."""
-        kwargs = {}
-        if inputs.pixel_values is not None:
-            kwargs = {
-                "pixel_values": inputs.pixel_values.to(self.device),
-                "image_grid_thw": inputs.image_grid_thw.to(self.device),
-            }
+        kwargs = inputs.vision_kwargs(self.device)
         ids = inputs.input_ids.to(self.device)
         out = self.model.generate(
             input_ids=ids,

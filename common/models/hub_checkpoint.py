@@ -45,7 +45,7 @@ from common.models.shard_writer import TensorSpec, chunked_rows, write_shards
 from common.models.tokenizers import build_qwen2_tokenizer, build_test_tokenizer, special_token_ids
 
 # Bump when the generated checkpoints change, so cached copies are rebuilt.
-HUB_RECIPE_VERSION = 1
+HUB_RECIPE_VERSION = 2  # 2: the chat template renders video parts
 SEED = 1234
 GAIN = 1.7
 EMBED_STD = 0.15

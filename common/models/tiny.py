@@ -33,7 +33,7 @@ HUB_SIZES = ("bench", "real")  # built by common.models.hub_checkpoint
 BENCH_DEPTH = (4, 4)  # text layers, vision blocks
 DEFAULT_ARCH = "qwen2_5_vl"
 # Bump when the generated checkpoints change, so cached copies are rebuilt.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: the chat template renders video parts
 INIT_STD = 0.15
 SEED = 1234
 

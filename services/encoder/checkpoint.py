@@ -49,6 +49,19 @@ class Checkpoint:
         return int(self.config.image_token_id)
 
     @property
+    def video_token_id(self) -> int:
+        return int(self.config.video_token_id)
+
+    @property
+    def merge_size(self) -> int:
+        return int(self.config.vision_config.spatial_merge_size)
+
+    @property
+    def video_timestamps_in_prompt(self) -> bool:
+        """Qwen3-VL writes each frame group's time into the prompt (``<t seconds>``)."""
+        return self.arch == "qwen3_vl"
+
+    @property
     def hidden_size(self) -> int:
         """Width of one merged image embedding (= the language model's hidden size)."""
         vision = self.config.vision_config

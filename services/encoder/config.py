@@ -54,16 +54,49 @@ class EncoderConfig:
     max_aspect_ratio: float = field(200.0, help="largest accepted long side / short side")
     max_images: int = field(
         16,
-        help="most images in one request (at most what one transfer aux record describes: 23 "
-        "with the default max_prompt_tokens)",
+        help="most images and videos together in one request (at most what one transfer aux "
+        "record describes: 23 with the default max_prompt_tokens)",
     )
     max_prompt_tokens: int = field(32768, help="longest prompt after image expansion, in tokens")
-    allowed_dirs: tuple[str, ...] = field((), help="directories local image paths may lie under")
-    allow_urls: bool = field(False, help="fetch http(s) image URLs")
+    allowed_dirs: tuple[str, ...] = field(
+        (), help="directories local image and video paths may lie under"
+    )
+    allow_urls: bool = field(False, help="fetch http(s) image and video URLs")
     allow_private_urls: bool = field(
         False, help="allow URLs resolving to private/loopback/link-local addresses"
     )
     url_timeout_s: float = field(10.0, help="timeout of one image download")
+    # video intake (checked from the container's header and packets before decoding)
+    max_videos: int = field(
+        2, help="most videos in one request (each also counts against max_images); 0 refuses them"
+    )
+    max_video_bytes: int = field(64 << 20, help="largest encoded video accepted, in bytes")
+    max_video_seconds: float = field(600.0, help="longest video accepted, in seconds")
+    max_video_source_frames: int = field(
+        36_000, help="most frames a video file may hold (all of them, not only sampled ones)"
+    )
+    max_video_frame_pixels: int = field(
+        8_294_400, help="largest video frame (width*height) accepted (default: 4K UHD)"
+    )
+    max_video_streams: int = field(8, help="most streams (video, audio, ...) in a container")
+    # video sampling defaults and bounds (a request may ask for less, never more)
+    video_fps: float = field(2.0, help="frames sampled per second of video (Qwen's default)")
+    video_min_frames: int = field(4, help="fewest frames sampled (as the video has them)")
+    video_max_frames: int = field(
+        768, help="most frames sampled from one video (rounded down to a multiple of 2)"
+    )
+    video_min_pixels: int = field(
+        0, help="per-frame smart_resize lower bound in pixels; 0 = 128 merged patches"
+    )
+    video_max_pixels: int = field(
+        0, help="per-frame smart_resize upper bound in pixels; 0 = 768 merged patches"
+    )
+    video_total_pixels: int = field(
+        0,
+        help="pixels of all sampled frames of one video together (each frame gets its share, "
+        "never below 1.05 x video_min_pixels); 0 = 90% of the request's prompt limit's worth "
+        "(max_prompt_tokens, or the language worker's lower limit the gateway sends)",
+    )
     # preprocessing
     min_pixels: int = field(0, help="smart_resize lower bound in pixels; 0 = the checkpoint's")
     max_pixels: int = field(0, help="smart_resize upper bound in pixels; 0 = the checkpoint's")
@@ -107,6 +140,12 @@ class EncoderConfig:
             "max_batch_patches",
             "max_queued_requests",
             "max_queued_pixel_mb",
+            "max_video_bytes",
+            "max_video_source_frames",
+            "max_video_frame_pixels",
+            "max_video_streams",
+            "video_min_frames",
+            "video_max_frames",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -114,6 +153,25 @@ class EncoderConfig:
         for name in ("url_timeout_s", "submit_retry_s", "default_timeout_s", "result_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_videos < 0:
+            raise ValueError(f"max_videos must be >= 0, got {self.max_videos}")
+        for name in ("max_video_seconds", "video_fps"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
+        if self.video_min_frames > self.video_max_frames:
+            raise ValueError(
+                f"video_min_frames ({self.video_min_frames}) > video_max_frames "
+                f"({self.video_max_frames})"
+            )
+        for name in ("video_min_pixels", "video_max_pixels", "video_total_pixels"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.video_min_pixels and self.video_max_pixels:
+            if self.video_min_pixels > self.video_max_pixels:
+                raise ValueError(
+                    f"video_min_pixels ({self.video_min_pixels}) > video_max_pixels "
+                    f"({self.video_max_pixels})"
+                )
         if self.max_aspect_ratio < 1:
             raise ValueError(f"max_aspect_ratio must be >= 1, got {self.max_aspect_ratio}")
         if self.min_pixels < 0 or self.max_pixels < 0:

@@ -10,7 +10,15 @@ from protos.epd.v1 import common_pb2, encoder_pb2
 from .errors import InvalidInput
 from .rooms import RoomRecord
 from .service import Accepted, LoadReport
-from .types import ChatMessage, ContentPart, EncodeRequest, ImageSource, RequestLimits
+from .types import (
+    ChatMessage,
+    ContentPart,
+    EncodeRequest,
+    ImageSource,
+    RequestLimits,
+    VideoInput,
+    VideoSampling,
+)
 
 
 def request_from_proto(msg: encoder_pb2.EncodeRequest) -> EncodeRequest:
@@ -37,9 +45,25 @@ def _message(msg: common_pb2.ChatMessage) -> ChatMessage:
             if kind is None:
                 raise InvalidInput("image part without a source")
             parts.append(ContentPart(image=ImageSource(kind, getattr(part.image, kind))))
+        elif which == "video":
+            parts.append(ContentPart(video=_video(part.video)))
         else:
             raise InvalidInput("empty content part")
     return ChatMessage(msg.role, tuple(parts))
+
+
+def _video(msg: common_pb2.VideoPart) -> VideoInput:
+    kind = msg.source.WhichOneof("source")
+    if kind is None:
+        raise InvalidInput("video part without a source")
+    s = msg.sampling
+    try:
+        sampling = VideoSampling(
+            s.fps, s.min_frames, s.max_frames, s.min_pixels, s.max_pixels, s.total_pixels
+        )
+    except ValueError as exc:
+        raise InvalidInput(f"video sampling: {exc}") from None
+    return VideoInput(ImageSource(kind, getattr(msg.source, kind)), sampling)
 
 
 def reply_to_proto(accepted: Accepted, sender_endpoint: str) -> encoder_pb2.EncodeReply:
@@ -79,6 +103,8 @@ def load_to_proto(load: LoadReport) -> encoder_pb2.LoadReport:
         sender_stats_json=json.dumps(load.sender, default=str),
         transfer_layout=layout_to_proto(load.transfer_layout),
         max_prompt_tokens=load.max_prompt_tokens,
+        num_video_frames=load.num_video_frames,
+        video_decode_s=load.video_decode_s,
     )
 
 

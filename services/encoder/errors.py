@@ -6,13 +6,15 @@ from __future__ import annotations
 class InvalidInput(ValueError):
     """The request is wrong (bad image, forbidden source, over a limit): INVALID_ARGUMENT.
 
-    ``item`` is the index of the offending image in the request, when one is to blame.
+    ``item`` is the index of the offending image (or video: ``kind``) in the request, when one
+    is to blame.
     """
 
-    def __init__(self, message: str, item: int | None = None) -> None:
-        prefix = f"image {item}: " if item is not None else ""
+    def __init__(self, message: str, item: int | None = None, kind: str = "image") -> None:
+        prefix = f"{kind} {item}: " if item is not None else ""
         super().__init__(prefix + message)
         self.item = item
+        self.kind = kind
 
 
 class Overloaded(RuntimeError):

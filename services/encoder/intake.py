@@ -17,7 +17,8 @@ from .config import EncoderConfig
 from .decode import DecodeLimits, check_size, load_rgb, open_image
 from .errors import InvalidInput
 from .sources import SourcePolicy, read_source
-from .types import ImageSource
+from .types import ImageSource, VideoInput
+from .video_decode import VideoHeader, VideoLimits, probe_video
 
 ImageInput = ImageSource | Image.Image | bytes
 
@@ -57,7 +58,7 @@ class ImageIntake:
     def open(self, item: ImageInput, index: int) -> OpenedImage:
         """``item`` (the ``index``-th image of its request) with its header checked; an encoded
         image is not decoded yet (its size is known, its pixels are not)."""
-        with _naming(index):
+        with naming(index):
             if isinstance(item, Image.Image):
                 check_size(item.width, item.height, self.limits)
                 return OpenedImage(item, encoded=False)
@@ -67,7 +68,7 @@ class ImageIntake:
 
     def decode(self, opened: OpenedImage, index: int) -> Image.Image:
         """The 8-bit RGB pixels of an image from ``open``."""
-        with _naming(index):
+        with naming(index):
             return load_rgb(opened.image) if opened.encoded else to_rgb(opened.image)
 
     def load(self, item: ImageInput, index: int) -> Image.Image:
@@ -75,16 +76,60 @@ class ImageIntake:
         return self.decode(self.open(item, index), index)
 
 
-class _naming:
-    """Re-raise an ``InvalidInput`` without an image index as one naming ``index``."""
+@dataclass(frozen=True)
+class OpenedVideo:
+    """A video whose header and packets passed the limits; no frame decoded yet."""
 
-    def __init__(self, index: int) -> None:
+    data: bytes
+    header: VideoHeader
+    video: VideoInput
+
+
+class VideoIntake:
+    """Request videos -> bytes and a checked header: the image sources' policy with the video
+    byte limit, then ``probe_video``'s header and packet checks."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        self.policy = SourcePolicy(
+            max_bytes=config.max_video_bytes,
+            allowed_dirs=config.allowed_dirs,
+            allow_urls=config.allow_urls,
+            allow_private_urls=config.allow_private_urls,
+            url_timeout_s=config.url_timeout_s,
+            noun="video",
+        )
+        self.limits = VideoLimits(
+            max_seconds=config.max_video_seconds,
+            max_frames=config.max_video_source_frames,
+            max_streams=config.max_video_streams,
+            frame=DecodeLimits(
+                max_pixels=config.max_video_frame_pixels,
+                min_side=config.min_image_side,
+                max_aspect_ratio=config.max_aspect_ratio,
+            ),
+        )
+
+    def open(self, video: VideoInput, index: int) -> OpenedVideo:
+        """The ``index``-th video of its request, read and probed (``InvalidInput`` naming it)."""
+        with naming(index, "video"):
+            source = video.source
+            if isinstance(source, (bytes, bytearray, memoryview)):
+                source = ImageSource("data", bytes(source))
+            data = read_source(source, self.policy)
+            return OpenedVideo(data, probe_video(data, self.limits), video)
+
+
+class naming:
+    """Re-raise an ``InvalidInput`` without an item index as one naming ``index``."""
+
+    def __init__(self, index: int, kind: str = "image") -> None:
         self.index = index
+        self.kind = kind
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind, exc, tb) -> bool:
         if isinstance(exc, InvalidInput) and exc.item is None:
-            raise InvalidInput(str(exc), item=self.index) from None
+            raise InvalidInput(str(exc), item=self.index, kind=self.kind) from None
         return False

@@ -1,20 +1,21 @@
-"""Accepted message shapes -> domain ``ChatMessage`` objects plus the images in order."""
+"""Accepted message shapes -> domain ``ChatMessage`` objects plus the media in order."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from .errors import InvalidInput
-from .types import ChatMessage, ContentPart, ImageSource
+from .types import ChatMessage, ContentPart, ImageSource, VideoInput
 
 ROLES = ("system", "user", "assistant")
 
 
 def normalize_messages(messages: Sequence, images: Sequence = ()) -> tuple[list[ChatMessage], list]:
-    """(messages, the image of every image part in order).
+    """(messages, the image or ``VideoInput`` of every image and video part in order).
 
     Image parts of ``ChatMessage`` objects carry their image; dict image parts carry
-    ``"image"`` or take the next of ``images``. Every entry of ``images`` must be used.
+    ``"image"`` or take the next of ``images``. Every entry of ``images`` must be used. Video
+    parts carry their ``VideoInput`` (dicts: ``{"type": "video", "video": x}``).
     """
     if not messages:
         raise InvalidInput("request has no messages")
@@ -29,6 +30,8 @@ def normalize_messages(messages: Sequence, images: Sequence = ()) -> tuple[list[
         for part in message.content:
             if part.image is not None:
                 found.append(part.image)
+            elif part.video is not None:
+                found.append(part.video)
         out.append(message)
     if spare:
         raise InvalidInput(f"{len(spare)} images were given without an image part to place them")
@@ -52,6 +55,13 @@ def _from_dict(message: dict, spare: list) -> ChatMessage:
             else:
                 raise InvalidInput("more image parts than images")
             parts.append(ContentPart(image=_wrap(item)))
+        elif kind == "video":
+            item = part.get("video")
+            if item is None:
+                raise InvalidInput("video part without a video")
+            if not isinstance(item, VideoInput):
+                item = VideoInput(_wrap(item))
+            parts.append(ContentPart(video=item))
         else:
             raise InvalidInput(f"unsupported content part type {kind!r}")
     return ChatMessage(str(message.get("role", "")), tuple(parts))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
-from common.metrics import StatsCollector, histogram
+from common.metrics import NAMESPACE, StatsCollector, histogram
 from common.transfer_metrics import register_transfer_metrics
 
 from .service import EncoderService
@@ -32,12 +32,29 @@ def create_registry(service: EncoderService) -> CollectorRegistry:
         registry, "encoder_preprocess_seconds", "decode + resize + tokenize seconds per request"
     )
 
+    video_s = histogram(
+        registry,
+        "encoder_video_decode_seconds",
+        "seconds per video: probe + decode of the sampled frames + resize + patches",
+    )
+    video_frames = Counter(
+        "encoder_video_frames",
+        "video frames sampled and decoded",
+        namespace=NAMESPACE,
+        registry=registry,
+    )
+
     def on_forward(num_images: int, seconds: float) -> None:
         batch_size.observe(num_images)
         vit_s.observe(seconds)
 
+    def on_video(num_frames: int, seconds: float) -> None:
+        video_frames.inc(num_frames)
+        video_s.observe(seconds)
+
     service.pipeline.batcher.on_forward = on_forward
     service.pipeline.on_prepare = prep_s.observe
+    service.pipeline.on_video = on_video
     registry.register(
         StatsCollector(
             lambda: _stats(service),
@@ -73,7 +90,7 @@ def create_registry(service: EncoderService) -> CollectorRegistry:
                 (
                     "counter",
                     "encoder_images_encoded",
-                    "images run through the ViT",
+                    "images and video frame groups run through the ViT",
                     "num_images_encoded",
                     {},
                 ),

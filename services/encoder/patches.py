@@ -67,14 +67,29 @@ class PatchCutter:
         return Image.fromarray(rgb.astype(np.uint8), "RGB")
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
-        """Flat float32 patches of ``img`` (RGB, sides multiples of patch * merge)."""
-        pixels = np.asarray(img)  # [H, W, C] uint8
-        height, width, channels = pixels.shape
-        planes = np.stack([self.table[c][pixels[..., c]] for c in range(channels)])  # [C, H, W]
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        """Flat float32 patches of ``img`` (RGB, sides multiples of patch * merge), the frame
+        repeated ``temporal_patch_size`` times (an image)."""
+        planes = self._planes(np.asarray(img))[None]  # [1, C, H, W]
+        shape = (self.temporal_patch_size, *planes.shape[1:])
+        return self._cut(np.broadcast_to(planes, shape))
+
+    def cut_frames(self, frames: list[np.ndarray]) -> torch.Tensor:
+        """Flat float32 patches of one video frame group: ``temporal_patch_size`` RGB frames
+        ``[H, W, 3]`` uint8 of one size, in time order (the video processor's ``patchify``)."""
+        if len(frames) != self.temporal_patch_size:
+            raise ValueError(f"{len(frames)} frames for a group of {self.temporal_patch_size}")
+        return self._cut(np.stack([self._planes(f) for f in frames]))
+
+    def _planes(self, pixels: np.ndarray) -> np.ndarray:
+        """[H, W, C] uint8 -> normalized float32 [C, H, W]."""
+        return np.stack([self.table[c][pixels[..., c]] for c in range(pixels.shape[-1])])
+
+    def _cut(self, planes: np.ndarray) -> torch.Tensor:
+        """[T, C, H, W] float32 -> [grid_h * grid_w, C * T * p * p]."""
+        frames, channels, height, width = planes.shape
+        p, m = self.patch_size, self.merge_size
         grid_h, grid_w = height // p, width // p
-        patches = planes.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
-        patches = patches.transpose(1, 4, 2, 5, 0, 3, 6)  # (gh, gw, mh, mw, C, ph, pw)
-        patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], t, p, p))
-        flat = patches.reshape(grid_h * grid_w, channels * t * p * p)
+        patches = planes.reshape(frames, channels, grid_h // m, m, p, grid_w // m, m, p)
+        patches = patches.transpose(2, 5, 3, 6, 1, 0, 4, 7)  # (gh, gw, mh, mw, C, T, ph, pw)
+        flat = patches.reshape(grid_h * grid_w, channels * frames * p * p)
         return torch.from_numpy(np.ascontiguousarray(flat))

@@ -1,4 +1,4 @@
-"""The encoder without gRPC or shipping: messages + images -> ``EncodedPrompt``.
+"""The encoder without gRPC or shipping: messages + images and videos -> ``EncodedPrompt``.
 
 Two halves: ``prepare`` (synchronous: intake, validation, resize, tokenization, positions; raises
 ``InvalidInput``, or ``Overloaded`` when the pixel budget is full) and ``submit`` (asynchronous:
@@ -6,17 +6,19 @@ the ViT loop, cache). ``encode`` does both and waits. Thread-safe; ``prepare`` m
 threads at once. A prepared prompt holds a share of the pixel budget until the ViT consumed its
 patches: submit it or ``discard`` it.
 
-``prepare`` works in the order that keeps memory bounded: image count; source bytes and headers
-(size, pixel and aspect limits, no pixels decoded); the prompt's length from the headers' token
-counts and the tokenized text; the pixel budget; and only then decoding, the cache lookup and,
-on a miss, resizing and the image processor.
+``prepare`` works in the order that keeps memory bounded: image and video counts; source bytes
+and headers (size, pixel and aspect limits, no pixels decoded; a video's container probed and
+its frames planned, ``video_sampling``); the prompt's length from the headers' token counts and
+the tokenized text; the pixel budget; and only then decoding, the cache lookup and, on a miss,
+resizing and the image processor (a video: its chosen frames, one ViT unit per frame group).
 
 Messages are ``ChatMessage`` objects or template-style dicts::
 
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}
 
 A dict image part takes its image from ``{"type": "image", "image": x}`` or, when it has none,
-from the next entry of ``images`` (PIL images, encoded bytes or ``ImageSource``).
+from the next entry of ``images`` (PIL images, encoded bytes or ``ImageSource``); a video part
+is ``{"type": "video", "video": VideoInput | bytes | str}``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.transfer.layout import parse_dtype
@@ -34,14 +37,27 @@ from .cache import EmbeddingCache
 from .checkpoint import load_checkpoint
 from .config import EncoderConfig
 from .errors import InvalidInput, Overloaded
-from .intake import ImageInput, ImageIntake, OpenedImage
+from .intake import ImageInput, ImageIntake, OpenedImage, OpenedVideo, VideoIntake, naming
 from .messages import normalize_messages
 from .preprocess import ImagePreprocessor
-from .prompt import PromptBuilder, template_messages
-from .types import EncodedPrompt, PreparedImage, Prompt, RequestLimits
+from .prompt import MediaShape, PromptBuilder, template_messages
+from .types import EncodedPrompt, MediaItem, Prompt, RequestLimits, VideoInput
+from .video_prep import VideoPreprocessor
+from .video_sampling import VideoPlan, VideoSettings
 from .vision import VisionTower
 
 MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class OpenedItem:
+    """An image or a video of a request whose header passed the limits (nothing decoded)."""
+
+    opened: OpenedImage | OpenedVideo
+    index: int  # among the request's images, or among its videos
+    shape: MediaShape  # what its placeholder expands to
+    pixel_bytes: int  # its fp32 patches
+    plan: VideoPlan | None = None  # a video's frames and size
 
 
 class EncoderPipeline:
@@ -53,6 +69,9 @@ class EncoderPipeline:
             self.checkpoint, self.config.min_pixels, self.config.max_pixels
         )
         self.prompts = PromptBuilder(self.checkpoint)
+        self.video_intake = VideoIntake(self.config)
+        defaults = video_defaults(self.config, self.preprocessor.factor)
+        self.videos = VideoPreprocessor(self.preprocessor, defaults)
         self.tower = VisionTower(
             self.checkpoint, self.config.device, self.config.dtype, self.config.linear_kernel
         )
@@ -70,6 +89,11 @@ class EncoderPipeline:
         )
         # Observer of each prepared request: seconds of decoding + preprocessing. Metrics set it.
         self.on_prepare: Callable[[float], None] | None = None
+        # Observer of each decoded video: (frames sampled, seconds decoding + preprocessing).
+        self.on_video: Callable[[int, float], None] | None = None
+        self._video_lock = threading.Lock()
+        self.num_video_frames = 0  # lifetime totals, under _video_lock
+        self.video_decode_s = 0.0
 
     def prepare(
         self,
@@ -90,17 +114,22 @@ class EncoderPipeline:
         """Every check the headers and the text allow comes before any pixel is decoded."""
         limits = limits or RequestLimits()
         chat, sources = normalize_messages(messages, images)
-        max_images = min(x for x in (self.config.max_images, limits.max_images) if x > 0)
-        if len(sources) > max_images:
-            raise InvalidInput(f"request has {len(sources)} images; the limit is {max_images}")
-        opened = [self.intake.open(source, index) for index, source in enumerate(sources)]
-        plans = [self.preprocessor.plan(item.width, item.height) for item in opened]
-        ids = self.prompts.text_ids(template_messages(chat))
+        max_items = min(x for x in (self.config.max_images, limits.max_images) if x > 0)
+        num_videos = sum(isinstance(s, VideoInput) for s in sources)
+        if len(sources) > max_items:
+            what = "images and videos" if num_videos else "images"
+            raise InvalidInput(f"request has {len(sources)} {what}; the limit is {max_items}")
+        if num_videos > self.config.max_videos:
+            raise InvalidInput(
+                f"request has {num_videos} videos; the limit is {self.config.max_videos}"
+            )
         max_tokens = min(
             x for x in (self.config.prompt_token_limit, limits.max_prompt_tokens) if x > 0
         )
-        self.prompts.check_length(ids, [plan.num_tokens for plan in plans], max_tokens)
-        need = sum(plan.pixel_bytes for plan in plans)
+        opened = self._open(sources, max_tokens)
+        ids = self.prompts.text_ids(template_messages(chat))
+        self.prompts.check_length(ids, [item.shape for item in opened], max_tokens)
+        need = sum(item.pixel_bytes for item in opened)
         if not self.budget.try_reserve(need):
             raise Overloaded(
                 f"encoder pixel budget full: the request's images need {need / MIB:.1f} MiB of "
@@ -112,7 +141,7 @@ class EncoderPipeline:
         except BaseException:
             self.budget.release(need)
             raise
-        # the reservation passes to the images that hold patches; hits and duplicates give back
+        # the reservation passes to the units that hold patches; hits and duplicates give back
         held = 0
         for image in {id(im): im for im in prompt.images}.values():
             if image.pixel_values is not None:
@@ -121,12 +150,45 @@ class EncoderPipeline:
         self.budget.release(need - held)
         return prompt
 
-    def _decode(self, opened: list[OpenedImage]) -> list[PreparedImage]:
-        """Decode, key and (on a cache miss) cut into patches; one object per distinct image."""
-        by_key: dict[bytes, PreparedImage] = {}
-        out = []
-        for index, item in enumerate(opened):
-            img = self.intake.decode(item, index)
+    def _open(self, sources: list, max_tokens: int) -> list[OpenedItem]:
+        """Each source read and its header checked, in prompt order. A video's default total
+        pixel budget is 90% of ``max_tokens`` (the request's prompt limit: the language worker's
+        context) when the encoder sets none, so a long video is sampled smaller, not refused."""
+        out: list[OpenedItem] = []
+        num_images = num_videos = 0
+        for source in sources:
+            if isinstance(source, VideoInput):
+                video = self.video_intake.open(source, num_videos)
+                with naming(num_videos, "video"):
+                    settings = VideoSettings.resolve(source.sampling, self.videos.defaults)
+                    if not (source.sampling.total_pixels or self.config.video_total_pixels):
+                        fit = int(max_tokens * 0.9) * self.preprocessor.factor**2
+                        settings = replace(settings, total_pixels=min(settings.total_pixels, fit))
+                    plan = self.videos.plan(video.header, settings)
+                shape = MediaShape(plan.grid_thw, True, plan.timestamps)
+                out.append(OpenedItem(video, num_videos, shape, plan.pixel_bytes, plan))
+                num_videos += 1
+                continue
+            image = self.intake.open(source, num_images)
+            height, width = self.preprocessor.target_size(image.width, image.height)
+            patch = self.preprocessor.patch_size
+            shape = MediaShape((1, height // patch, width // patch))
+            cost = self.preprocessor.plan(image.width, image.height).pixel_bytes
+            out.append(OpenedItem(image, num_images, shape, cost))
+            num_images += 1
+        return out
+
+    def _decode(self, opened: list[OpenedItem]) -> list[MediaItem]:
+        """Decode, key and (on a cache miss) cut into patches; one object per distinct item."""
+        by_key: dict[bytes, MediaItem] = {}
+        out: list[MediaItem] = []
+        for item in opened:
+            if isinstance(item.opened, OpenedVideo):
+                video = self._decode_video(item.opened, item.plan, item.index)
+                video = by_key.setdefault(video.key, video)  # the same video twice: one object
+                out.append(video)
+                continue
+            img = self.intake.decode(item.opened, item.index)
             key = self.preprocessor.cache_key(img)
             image = by_key.get(key)
             if image is None:
@@ -138,6 +200,23 @@ class EncoderPipeline:
                 by_key[key] = image
             out.append(image)
         return out
+
+    def _decode_video(self, video: OpenedVideo, plan: VideoPlan, index: int) -> MediaItem:
+        start = time.perf_counter()
+        with naming(index, "video"):
+            prepared = self.videos.prepare(video.data, video.header, plan, self.cache)
+        seconds = time.perf_counter() - start
+        with self._video_lock:
+            self.num_video_frames += prepared.num_frames
+            self.video_decode_s += seconds
+        if self.on_video is not None:
+            self.on_video(prepared.num_frames, seconds)
+        return prepared
+
+    def video_totals(self) -> tuple[int, float]:
+        """(video frames decoded, seconds spent on videos) since the start."""
+        with self._video_lock:
+            return self.num_video_frames, self.video_decode_s
 
     def discard(self, prompt: Prompt) -> None:
         """A prepared prompt that will not be submitted: give its pixel budget back."""
@@ -202,12 +281,27 @@ class EncoderPipeline:
             image_rows=task.image_rows(self.checkpoint.row_width, self.rows_dtype),
             image_mask=prompt.image_mask,
             mrope_delta=prompt.mrope_delta,
-            num_items=len(prompt.images),
-            image_hashes=[im.key.hex() for im in prompt.images],
-            image_token_counts=[im.num_tokens for im in prompt.images],
+            num_items=len(prompt.items),
+            image_hashes=[item.key.hex() for item in prompt.items],
+            image_token_counts=[item.num_tokens for item in prompt.items],
             num_cache_hits=task.num_cache_hits,
             encode_s=task.encode_s,
         )
 
     def close(self) -> None:
         self.batcher.close()
+
+
+def video_defaults(config: EncoderConfig, factor: int) -> VideoSettings:
+    """The encoder's video sampling defaults (and bounds), its 0s resolved for a checkpoint
+    whose merged patch is ``factor`` pixels wide: per frame 128 to 768 merged patches, in all
+    90% of the longest prompt's worth of pixels (qwen-vl-utils' rules; a request whose prompt
+    limit is lower gets 90% of that, see ``_open``)."""
+    return VideoSettings(
+        fps=config.video_fps,
+        min_frames=config.video_min_frames,
+        max_frames=config.video_max_frames,
+        min_pixels=config.video_min_pixels or 128 * factor**2,
+        max_pixels=config.video_max_pixels or 768 * factor**2,
+        total_pixels=config.video_total_pixels or int(config.prompt_token_limit * 0.9) * factor**2,
+    )

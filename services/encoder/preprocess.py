@@ -58,6 +58,19 @@ class ImagePreprocessor:
         self._params_digest = xxhash.xxh3_128(json.dumps(params, sort_keys=True).encode()).digest()
         self._cutter = PatchCutter.for_processor(proc)  # None: the processor cuts the patches
 
+    @property
+    def params_digest(self) -> bytes:
+        """xxh3_128 of the preprocessing parameters and the model revision (part of every key)."""
+        return self._params_digest
+
+    @property
+    def processor(self):
+        return self._processor
+
+    @property
+    def cutter(self) -> PatchCutter | None:
+        return self._cutter
+
     def target_size(self, width: int, height: int) -> tuple[int, int]:
         """(height, width) the image is resized to."""
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)

@@ -23,12 +23,24 @@ class RopeIndexer:
         self._get_rope_index = types.MethodType(model_cls.get_rope_index, host)
 
     def positions(
-        self, input_ids: np.ndarray, image_mask: np.ndarray, grids: list[tuple[int, int, int]]
+        self,
+        input_ids: np.ndarray,
+        mm_types: np.ndarray,
+        grids: list[tuple[int, int, int]],
+        video_grids: list[tuple[int, int, int]] = (),
+        second_per_grid_ts: list[float] = (),
     ) -> tuple[np.ndarray, int]:
-        """(positions int32 [3, L], mrope_delta) for one prompt."""
+        """(positions int32 [3, L], mrope_delta) for one prompt. ``mm_types``: 0 text, 1 image,
+        2 video per token; ``grids`` the images', ``video_grids`` the videos' (whole videos,
+        ``(frame groups, h, w)``), ``second_per_grid_ts`` each video's seconds per frame group
+        (read by Qwen2.5-VL only)."""
         ids = torch.from_numpy(input_ids.astype(np.int64))[None]
-        mm_types = torch.from_numpy(image_mask.astype(np.int64))[None]
+        types = torch.from_numpy(mm_types.astype(np.int64))[None]
         grid_thw = torch.tensor(grids, dtype=torch.long) if grids else None
+        kwargs = {}
+        if video_grids:
+            kwargs["video_grid_thw"] = torch.tensor(list(video_grids), dtype=torch.long)
+            kwargs["second_per_grid_ts"] = torch.tensor(list(second_per_grid_ts))
         with torch.no_grad():
-            pos, delta = self._get_rope_index(ids, mm_types, image_grid_thw=grid_thw)
+            pos, delta = self._get_rope_index(ids, types, image_grid_thw=grid_thw, **kwargs)
         return pos[:, 0].numpy().astype(np.int32), int(delta.reshape(-1)[0])

@@ -57,6 +57,8 @@ class LoadReport:
     sender_endpoint: str
     transfer_layout: BufferLayout  # the rows it sends (wire dtype)
     max_prompt_tokens: int  # longest prompt it accepts after image expansion
+    num_video_frames: int = 0  # video frames decoded since the start
+    video_decode_s: float = 0.0  # seconds spent probing, decoding and cutting videos
 
 
 def create_sender(config: EncoderConfig, layout: BufferLayout) -> Sender:
@@ -111,7 +113,7 @@ class EncoderService:
             raise
         task = self.pipeline.make_task(prompt, self._on_encoded(room), deadline)
         record = RoomRecord(
-            room, request.request_id, prompt.num_tokens, len(prompt.images), deadline, task=task
+            room, request.request_id, prompt.num_tokens, len(prompt.items), deadline, task=task
         )
         if self.config.ship_per_image and len(prompt.images) > 1:
             record.prompt = prompt
@@ -136,9 +138,9 @@ class EncoderService:
         return Accepted(
             room=room,
             num_tokens=prompt.num_tokens,
-            num_images=len(prompt.images),
+            num_images=len(prompt.items),
             num_image_tokens=int(prompt.image_mask.sum()),
-            image_hashes=[im.key.hex() for im in prompt.images],
+            image_hashes=[item.key.hex() for item in prompt.items],
         )
 
     def refuse(self, room: int, reason: str) -> None:
@@ -168,6 +170,7 @@ class EncoderService:
     def load(self) -> LoadReport:
         cache = self.pipeline.cache
         batcher = self.pipeline.batcher
+        num_video_frames, video_decode_s = self.pipeline.video_totals()
         return LoadReport(
             num_queued_requests=self.rooms.num_active(),
             num_queued_images=batcher.num_queued_images,
@@ -180,6 +183,8 @@ class EncoderService:
             sender_endpoint=self.sender.endpoint,
             transfer_layout=self.layout,
             max_prompt_tokens=self.max_prompt_tokens,
+            num_video_frames=num_video_frames,
+            video_decode_s=video_decode_s,
         )
 
     def close(self) -> None:

@@ -88,10 +88,10 @@ def early_aux_info(prompt: Prompt, num_cache_hits: int) -> AuxInfo:
         total_tokens=prompt.num_tokens,
         num_image_rows=int(prompt.image_mask.sum()),
         mrope_delta=prompt.mrope_delta,
-        num_items=len(prompt.images),
+        num_items=len(prompt.items),
         extra=encode_extra(
-            [im.key.hex() for im in prompt.images],
-            [im.num_tokens for im in prompt.images],
+            [item.key.hex() for item in prompt.items],
+            [item.num_tokens for item in prompt.items],
             hits=num_cache_hits,
             encode_s=0.0,
         ),

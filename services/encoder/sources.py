@@ -1,4 +1,5 @@
-"""Image sources -> encoded bytes: raw bytes, base64 / data URLs, allowed local files, URLs.
+"""Image and video sources -> encoded bytes: raw bytes, base64 / data URLs, allowed local
+files, URLs.
 
 Every failure is an ``InvalidInput`` naming the problem; nothing here decodes the image.
 """
@@ -25,6 +26,7 @@ class SourcePolicy:
     allow_urls: bool = False
     allow_private_urls: bool = False
     url_timeout_s: float = 10.0
+    noun: str = "image"  # what the sources hold, in error messages
 
 
 def read_source(source: ImageSource, policy: SourcePolicy) -> bytes:
@@ -32,47 +34,50 @@ def read_source(source: ImageSource, policy: SourcePolicy) -> bytes:
     if source.kind == "data":
         data = bytes(source.value)
     elif source.kind == "base64":
-        data = _decode_base64(str(source.value), policy.max_bytes)
+        data = _decode_base64(str(source.value), policy.max_bytes, policy.noun)
     elif source.kind == "path":
         data = _read_path(str(source.value), policy)
     else:
         if not policy.allow_urls:
-            raise InvalidInput("image URLs are disabled on this encoder (send the bytes instead)")
+            raise InvalidInput(
+                f"{policy.noun} URLs are disabled on this encoder (send the bytes instead)"
+            )
         data = fetch_url(
             str(source.value), policy.max_bytes, policy.url_timeout_s, policy.allow_private_urls
         )
     if not data:
-        raise InvalidInput("empty image data")
+        raise InvalidInput(f"empty {policy.noun} data")
     if len(data) > policy.max_bytes:
-        raise InvalidInput(f"image is {len(data)} bytes; the limit is {policy.max_bytes}")
+        raise InvalidInput(f"{policy.noun} is {len(data)} bytes; the limit is {policy.max_bytes}")
     return data
 
 
-def _decode_base64(text: str, max_bytes: int) -> bytes:
+def _decode_base64(text: str, max_bytes: int, noun: str) -> bytes:
     text = text.strip()
     if text.startswith("data:"):
         header, sep, text = text.partition(",")
         if not sep or not header.endswith(";base64"):
-            raise InvalidInput("data URL must look like data:image/...;base64,<payload>")
+            raise InvalidInput(f"data URL must look like data:{noun}/...;base64,<payload>")
     if len(text) * 3 // 4 > max_bytes + 3:
-        raise InvalidInput(f"base64 image exceeds the limit of {max_bytes} bytes")
+        raise InvalidInput(f"base64 {noun} exceeds the limit of {max_bytes} bytes")
     try:
         return base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise InvalidInput(f"invalid base64 image data ({exc})") from None
+        raise InvalidInput(f"invalid base64 {noun} data ({exc})") from None
 
 
 def _read_path(raw: str, policy: SourcePolicy) -> bytes:
     if not policy.allowed_dirs:
-        raise InvalidInput("local image paths are disabled on this encoder")
+        raise InvalidInput(f"local {policy.noun} paths are disabled on this encoder")
     path = Path(os.path.realpath(raw))  # resolves symlinks and '..' before the check
     roots = [Path(os.path.realpath(d)) for d in policy.allowed_dirs]
     if not any(path == r or r in path.parents for r in roots):
-        raise InvalidInput(f"path {raw!r} is outside the allowed image directories")
+        raise InvalidInput(f"path {raw!r} is outside the allowed {policy.noun} directories")
     try:
         size = path.stat().st_size
         if size > policy.max_bytes:
-            raise InvalidInput(f"image file is {size} bytes; the limit is {policy.max_bytes}")
+            noun, limit = policy.noun, policy.max_bytes
+            raise InvalidInput(f"{noun} file is {size} bytes; the limit is {limit}")
         return path.read_bytes()
     except OSError as exc:
         raise InvalidInput(f"cannot read {raw!r}: {exc.strerror or exc}") from None

@@ -25,11 +25,40 @@ class ImageSource:
 
 
 @dataclass(frozen=True)
+class VideoSampling:
+    """How frames are taken from a video and sized; 0 = the encoder's default for each."""
+
+    fps: float = 0.0  # frames sampled per second of video
+    min_frames: int = 0
+    max_frames: int = 0
+    min_pixels: int = 0  # per-frame smart_resize bounds
+    max_pixels: int = 0
+    total_pixels: int = 0  # all sampled frames together
+
+    def __post_init__(self) -> None:
+        if not self.fps >= 0 or self.fps == float("inf"):
+            raise ValueError(f"fps must be a finite number >= 0, got {self.fps}")
+        for name in ("min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """One video of a request: an encoded file (``ImageSource`` or bytes) and its sampling."""
+
+    source: ImageSource | bytes
+    sampling: VideoSampling = VideoSampling()
+
+
+@dataclass(frozen=True)
 class ContentPart:
-    """Exactly one of ``text`` / ``image`` (an ``ImageSource``, a PIL image or encoded bytes)."""
+    """Exactly one of ``text`` / ``image`` (an ``ImageSource``, a PIL image or encoded bytes) /
+    ``video``."""
 
     text: str | None = None
     image: ImageSource | Image.Image | bytes | None = None
+    video: VideoInput | None = None
 
 
 @dataclass(frozen=True)
@@ -74,19 +103,56 @@ class PreparedImage:
         return t * h * w
 
 
+@dataclass(eq=False)
+class PreparedVideo:
+    """One sampled and resized video of a request: a sequence of frame groups (``temporal_patch``
+    frames each), every group one ViT unit of grid ``(1, h, w)``. The ViT attends within a
+    frame group only, so encoding the groups apart gives the rows of the whole video.
+
+    Its identity (``key``: pad id, radix key, affinity) covers the sampled pixels *and* the
+    sampling settings: the same clip sampled differently is another video."""
+
+    key: bytes  # 16 bytes: sampled frames + sampling + preprocessing + model revision
+    grid_thw: tuple[int, int, int]  # (frame groups, h, w) in patches
+    groups: list[PreparedImage]  # one per frame group, in time order
+    second_per_grid_t: float  # seconds of video one frame group spans (Qwen2.5-VL's M-RoPE)
+    timestamps: list[float]  # seconds, the middle of each frame group (Qwen3-VL's prompt)
+    num_frames: int  # frames sampled (decoded)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(group.num_tokens for group in self.groups)
+
+
+MediaItem = PreparedImage | PreparedVideo
+
+
 @dataclass
 class Prompt:
-    """A tokenized prompt before the ViT runs: fill ids, positions, the images in order."""
+    """A tokenized prompt before the ViT runs: fill ids, positions, the media in order.
 
-    fill_ids: np.ndarray  # int32 [L]; image tokens carry their image's pad id
+    ``items`` are the request's images and videos in prompt order (its identity: one hash and
+    one pad id each); ``images`` are the ViT units in token order: each image, and each frame
+    group of each video."""
+
+    fill_ids: np.ndarray  # int32 [L]; image / video tokens carry their item's pad id
     positions: np.ndarray  # int32 [3, L] M-RoPE (t, h, w)
     mrope_delta: int
-    image_mask: np.ndarray  # bool [L]
+    image_mask: np.ndarray  # bool [L]: the tokens that get rows (image and video)
     images: list[PreparedImage] = field(default_factory=list)
+    items: list[MediaItem] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return int(self.fill_ids.shape[0])
+
+    @property
+    def num_videos(self) -> int:
+        return sum(isinstance(item, PreparedVideo) for item in self.items)
+
+    @property
+    def num_video_frames(self) -> int:
+        return sum(item.num_frames for item in self.items if isinstance(item, PreparedVideo))
 
 
 @dataclass

@@ -8,12 +8,13 @@ already handed to the caller cannot be taken back. The address that last answere
 first next time. With an API key every call carries ``authorization: Bearer KEY``; with a CA
 file the channels use TLS. Both are optional: plaintext without a key by default.
 
-``epd generate --gateway ADDR[,ADDR...] [--image PATH ...] --prompt TEXT [--max-tokens N]
-[--temperature T] [--json] [--api-key KEY] [--tls-ca FILE]``: images are placed before the text
-in one user message, which the checkpoint's own chat template renders with the generation
-prompt. The API key may also come from ``EPD_API_KEY``. With ``--json`` one JSON object is
-printed (text, token_ids, finish_reason, usage, timing). Every failure is one line on stderr and
-a non-zero exit: a bad argument or unreadable file (2), a gRPC error as ``CODE: details`` (1).
+``epd generate --gateway ADDR[,ADDR...] [--video PATH ...] [--image PATH ...] --prompt TEXT
+[--max-tokens N] [--temperature T] [--json] [--api-key KEY] [--tls-ca FILE]``: videos, then
+images, are placed before the text in one user message, which the checkpoint's own chat
+template renders with the generation prompt. The API key may also come from ``EPD_API_KEY``.
+With ``--json`` one JSON object is printed (text, token_ids, finish_reason, usage, timing).
+Every failure is one line on stderr and a non-zero exit: a bad argument or unreadable file (2),
+a gRPC error as ``CODE: details`` (1).
 """
 
 from __future__ import annotations
@@ -55,9 +56,14 @@ def build_request(
     max_tokens: int = 0,
     temperature: float = 0.0,
     request_id: str = "",
+    videos: list[bytes] = (),  # type: ignore[assignment]
     **sampling: object,
 ) -> gateway_pb2.GenerateRequest:
-    parts = [common_pb2.ContentPart(image=common_pb2.ImageSource(data=b)) for b in images]
+    parts = [
+        common_pb2.ContentPart(video=common_pb2.VideoPart(source=common_pb2.ImageSource(data=b)))
+        for b in videos
+    ]
+    parts += [common_pb2.ContentPart(image=common_pb2.ImageSource(data=b)) for b in images]
     parts.append(common_pb2.ContentPart(text=prompt))
     return gateway_pb2.GenerateRequest(
         messages=[common_pb2.ChatMessage(role="user", content=parts)],
@@ -349,6 +355,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="gateway host:port; several, comma-separated, are tried in turn while unavailable",
     )
     parser.add_argument("--image", type=Path, action="append", default=[], help="image file")
+    parser.add_argument(
+        "--video", type=Path, action="append", default=[], help="video file (MP4, WebM, ...)"
+    )
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-tokens", type=int, default=64, help="0 = the gateway's default")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -402,6 +411,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = check_arguments(args)
     addresses = parse_addresses(args.gateway)
     images = [_read(p, "image") for p in args.image]
+    if args.video:
+        sampling["videos"] = [_read(p, "video") for p in args.video]
     tls_ca = _read(args.tls_ca, "CA file") if args.tls_ca is not None else None
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     with GatewayClient(addresses, api_key, tls_ca, args.tls_server_name) as client:

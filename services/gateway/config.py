@@ -26,6 +26,8 @@ REQUEST_LIMIT_FIELDS = (
     "max_images",
     "max_image_bytes",
     "max_image_ref_chars",
+    "max_videos",
+    "max_video_bytes",
     "max_stop",
     "max_stop_chars",
     "max_stop_token_ids",
@@ -132,7 +134,9 @@ class GatewayConfig:
     # ---- request limits: every request is checked against them before admission
     # (services/gateway/validation.py); a request past one is INVALID_ARGUMENT naming the field.
     max_messages: int = field(256, help="most chat messages in one request")
-    max_parts_per_message: int = field(64, help="most content parts (text or image) per message")
+    max_parts_per_message: int = field(
+        64, help="most content parts (text, image, video) per message"
+    )
     max_text_chars: int = field(1 << 20, help="most text characters over all messages of a request")
     max_images: int = field(16, help="most images in one request")
     max_image_bytes: int = field(
@@ -140,7 +144,15 @@ class GatewayConfig:
         help="largest image as raw bytes (`data`); base64 text may be its base64 length plus a "
         "data-URL prefix",
     )
-    max_image_ref_chars: int = field(8192, help="longest image `path` or `url`, in characters")
+    max_image_ref_chars: int = field(
+        8192, help="longest image or video `path` or `url`, in characters"
+    )
+    max_videos: int = field(2, help="most videos in one request")
+    max_video_bytes: int = field(
+        64 << 20,
+        help="largest video as raw bytes (`data`); base64 text may be its base64 length plus a "
+        "data-URL prefix (max_message_mb bounds both)",
+    )
     max_stop: int = field(16, help="most stop strings in a request")
     max_stop_chars: int = field(256, help="longest stop string, in characters")
     max_stop_token_ids: int = field(64, help="most stop token ids in a request")

@@ -24,8 +24,18 @@ def image_source_hash(image: common_pb2.ImageSource) -> bytes:
     return xxhash.xxh3_128_digest(raw, seed=len(which))
 
 
+def video_hash(video: common_pb2.VideoPart) -> bytes:
+    """A video's source hash and its sampling settings: the same clip sampled differently is
+    another video (other rows, another prompt)."""
+    s = video.sampling
+    settings = f"{s.fps!r}:{s.min_frames}:{s.max_frames}:{s.min_pixels}:{s.max_pixels}:"
+    settings += str(s.total_pixels)
+    return xxhash.xxh3_128_digest(image_source_hash(video.source) + settings.encode())
+
+
 def routing_key(messages: Iterable[common_pb2.ChatMessage]) -> RoutingKey:
-    """The request's image hashes (one per image, in order) and its cumulative prefix hashes."""
+    """The request's media hashes (one per image or video, in order: the encoder's affinity and
+    the reason it needs one) and its cumulative prefix hashes."""
     images: list[bytes] = []
     prefix: list[int] = []
     state = xxhash.xxh3_64()
@@ -37,6 +47,10 @@ def routing_key(messages: Iterable[common_pb2.ChatMessage]) -> RoutingKey:
                 digest = image_source_hash(part.image)
                 images.append(digest)
                 state.update(b"\x00img:" + digest)
+            elif which == "video":
+                digest = video_hash(part.video)
+                images.append(digest)
+                state.update(b"\x00vid:" + digest)
             elif which == "text":
                 state.update(b"\x00txt:" + part.text.encode())
             else:

@@ -38,6 +38,7 @@ from common.sampling_bounds import (
 )
 from protos.epd.v1 import gateway_pb2
 from services.gateway.errors import GatewayError
+from services.gateway.video_validation import validate_video
 
 ROLES_ALLOWED = ("system", "user", "assistant", "tool")
 MAX_TEMPERATURE = 100.0
@@ -65,6 +66,8 @@ class RequestLimits:
     max_images: int = 16
     max_image_bytes: int = 20 << 20
     max_image_ref_chars: int = 8192
+    max_videos: int = 2
+    max_video_bytes: int = 64 << 20
     max_stop: int = 16
     max_stop_chars: int = 256
     max_stop_token_ids: int = 64
@@ -148,7 +151,7 @@ def _validate_messages(request: gateway_pb2.GenerateRequest, limits: RequestLimi
         raise invalid(
             f"messages has {len(messages)} entries, more than the limit of {limits.max_messages}"
         )
-    num_text_chars = num_images = 0
+    num_text_chars = num_images = num_videos = 0
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if message.role not in ROLES_ALLOWED:
@@ -167,7 +170,7 @@ def _validate_messages(request: gateway_pb2.GenerateRequest, limits: RequestLimi
         for j, part in enumerate(message.content):
             which = part.WhichOneof("part")
             if which is None:
-                raise invalid(f"{where}.content[{j}] is empty (set text or image)")
+                raise invalid(f"{where}.content[{j}] is empty (set text, image or video)")
             if which != "text" and message.role == "tool":
                 raise invalid(f"{where}.content[{j}] must be text (a tool's result)")
             if which == "text":
@@ -178,6 +181,14 @@ def _validate_messages(request: gateway_pb2.GenerateRequest, limits: RequestLimi
                         f"{num_text_chars} characters, more than the limit of "
                         f"{limits.max_text_chars}"
                     )
+            elif which == "video":
+                num_videos += 1
+                if num_videos > limits.max_videos:
+                    raise invalid(
+                        f"{where}.content[{j}].video is video {num_videos} of the request, more "
+                        f"than the limit of {limits.max_videos} videos"
+                    )
+                validate_video(part.video, f"{where}.content[{j}].video", limits, invalid)
             else:
                 num_images += 1
                 if num_images > limits.max_images:
@@ -359,8 +370,9 @@ def _validate_sampling(request: gateway_pb2.GenerateRequest, limits: RequestLimi
                 f"sampling.prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
                 f"got {s.prompt_logprobs}"
             )
-        if any(p.WhichOneof("part") == "image" for m in request.messages for p in m.content):
-            raise invalid("sampling.prompt_logprobs is for text-only prompts (no images)")
+        media = ("image", "video")
+        if any(p.WhichOneof("part") in media for m in request.messages for p in m.content):
+            raise invalid("sampling.prompt_logprobs is for text-only prompts (no images or videos)")
     if request.echo and not (request.prompt_text or request.prompt_token_ids):
         raise invalid("echo needs a raw prompt (prompt_text or prompt_token_ids)")
     if len(s.stop_token_ids) > limits.max_stop_token_ids:

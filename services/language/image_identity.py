@@ -2,8 +2,9 @@
 
 The encoder writes, in the aux record's ``extra`` JSON, one content hash (hex, >= 16 digits) and
 one token count per image, in prompt order: ``{"hashes": [...], "tokens": [...], ...}``.
-``image_keys`` checks them against the prompt (one contiguous run of the image's pad id per
-image, the pad id derived from that hash) and gives every image token its image's 64-bit key.
+``image_keys`` checks them against the prompt (the next ``tokens`` image tokens carry the pad id
+derived from that hash; a video is one item whose tokens may lie in several runs) and gives
+every image token its image's 64-bit key.
 When the hashes are missing or do not fit the prompt, the prompt's image tokens get a fresh
 random key instead: they then match nothing cached before, never a different image's KV.
 """
@@ -109,9 +110,9 @@ def _assign(
         return f"image hashes cover {covered} tokens, the prompt has {where.size} image tokens"
     start = 0
     for i, ref in enumerate(images):
+        # NOTE: an item's tokens may lie in several runs (a Qwen3-VL video: its frame groups
+        # separated by timestamp text); each carries the pad id of the item's hash.
         run = where[start : start + ref.num_tokens]
-        if run[-1] - run[0] != ref.num_tokens - 1:
-            return f"the tokens of image {i} are not contiguous"
         if not (fill_ids[run] == pad_id_for(ref.digest, vocab_size)).all():
             return f"the pad id of image {i} does not derive from its hash"
         keys[run] = ref.key

@@ -85,8 +85,10 @@ def structured_from_proto(p: common_pb2.StructuredOutput) -> StructuredOutput | 
 def messages_from_proto(messages) -> list[dict]:
     out = []
     for m in messages:
-        if any(part.WhichOneof("part") == "image" for part in m.content):
-            raise ValueError("images must come through the encoder (room), not as messages")
+        if any(part.WhichOneof("part") in ("image", "video") for part in m.content):
+            raise ValueError(
+                "images and videos must come through the encoder (room), not as messages"
+            )
         content = [{"type": "text", "text": part.text} for part in m.content]
         out.append({"role": m.role, "content": content})
     return out

@@ -51,7 +51,7 @@ HTTP_ONLY: dict[str, tuple[dict | bytes, str | None, list[str]]] = {
     "unknown part type": (
         edit(lambda b: b["messages"][0]["content"].append({"type": "input_audio"})),
         "messages[0].content[2].type",
-        ["must be 'text' or 'image_url', got 'input_audio'"],
+        ["must be 'text', 'image_url' or 'video_url', got 'input_audio'"],
     ),
     "text part without text": (
         edit(lambda b: b["messages"][0]["content"].append({"type": "text", "text": 3})),

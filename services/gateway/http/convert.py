@@ -113,8 +113,12 @@ class FieldNames:
                 break
             elif name == "image":
                 out.append("image_url")
-            elif out and out[-1] == "image_url":
+            elif name == "video":
+                out.append("video_url")
+            elif out and out[-1] in ("image_url", "video_url"):
                 out.append("url")  # data, base64, path or url: the one URL it came as
+                if out[-2] == "video_url":
+                    break  # video.source.<kind>: the one URL too
             else:
                 out.append(f"{name}[{index}]" if index else name)
         return ".".join(out)
@@ -305,23 +309,34 @@ def _part(raw: Any, where: str) -> common_pb2.ContentPart:
                 f"{where}.image_url must be an object with a string url", f"{where}.image_url"
             )
         return common_pb2.ContentPart(image=image_source(url, f"{where}.image_url.url"))
+    if kind == "video_url":
+        video_url = raw.get("video_url")
+        url = video_url.get("url") if isinstance(video_url, dict) else None
+        if not isinstance(url, str):
+            raise invalid(
+                f"{where}.video_url must be an object with a string url", f"{where}.video_url"
+            )
+        source = image_source(url, f"{where}.video_url.url", "video", "video/mp4")
+        return common_pb2.ContentPart(video=common_pb2.VideoPart(source=source))
     raise invalid(
-        f"{where}.type must be 'text' or 'image_url', got {kind!r}"
+        f"{where}.type must be 'text', 'image_url' or 'video_url', got {kind!r}"
         if kind is not None
-        else f"{where}.type is required ('text' or 'image_url')",
+        else f"{where}.type is required ('text', 'image_url' or 'video_url')",
         f"{where}.type",
     )
 
 
-def image_source(url: str, where: str) -> common_pb2.ImageSource:
-    """A ``data:`` URL (base64) or an ``http(s)`` URL as an image source."""
+def image_source(
+    url: str, where: str, noun: str = "image", mime: str = "image/png"
+) -> common_pb2.ImageSource:
+    """A ``data:`` URL (base64) or an ``http(s)`` URL as an image (or video) source."""
     scheme = url.partition(":")[0].lower() if ":" in url else ""
     if scheme == "data":
         header, comma, payload = url.partition(",")
         if not comma or not header.lower().endswith(";base64"):
-            raise invalid(f"{where} must be a base64 data URL (data:image/png;base64,...)", where)
+            raise invalid(f"{where} must be a base64 data URL (data:{mime};base64,...)", where)
         if not payload.strip():
-            raise invalid(f"{where} holds no image data", where)
+            raise invalid(f"{where} holds no {noun} data", where)
         return common_pb2.ImageSource(base64=url)
     if scheme in ("http", "https"):
         return common_pb2.ImageSource(url=url)

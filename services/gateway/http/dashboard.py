@@ -102,6 +102,7 @@ def _row(worker: Worker, reply, problem: str, age_s: float) -> dict:
         if reply is not None:
             cache = reply.cache
             row["cache"] = {"hits": cache.num_hits, "misses": cache.num_misses}
+            row["video"] = {"frames": reply.num_video_frames, "decode_s": reply.video_decode_s}
     else:
         row["queue"] = {
             "running": figures.get("running", 0),

@@ -58,6 +58,25 @@ IMAGE_PART = {
     },
     "required": ["type", "image_url"],
 }
+VIDEO_PART = {
+    "type": "object",
+    "title": "VideoPart",
+    "properties": {
+        "type": {"const": "video_url"},
+        "video_url": {
+            "type": "object",
+            "properties": {
+                "url": {
+                    "type": "string",
+                    "description": "a data: URL (data:video/mp4;base64,...), or an http(s) URL "
+                    "when the encoders allow remote media; sampled with the encoders' defaults",
+                },
+            },
+            "required": ["url"],
+        },
+    },
+    "required": ["type", "video_url"],
+}
 MESSAGE = {
     "type": "object",
     "title": "ChatMessage",
@@ -70,7 +89,11 @@ MESSAGE = {
         "content": {
             "anyOf": [
                 {"type": "string"},
-                {"type": "array", "items": {"anyOf": [TEXT_PART, IMAGE_PART]}, "minItems": 1},
+                {
+                    "type": "array",
+                    "items": {"anyOf": [TEXT_PART, IMAGE_PART, VIDEO_PART]},
+                    "minItems": 1,
+                },
             ]
         },
         "name": {"type": "string", "description": "accepted and ignored"},

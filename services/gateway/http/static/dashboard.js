@@ -57,8 +57,9 @@ function workerRow(worker, cells) {
 
 function encoderRow(w) {
   const cache = w.cache ? `${fmt(w.cache.hits)} / ${fmt(w.cache.hits + w.cache.misses)}` : "–";
+  const video = w.video ? `${fmt(w.video.frames)} (${fmt(w.video.decode_s, 1)})` : "–";
   return workerRow(w, [fmt(w.queue.requests), fmt(w.queue.images),
-    fmt(w.queue.waiting_for_blocks), usage(w.blocks), cache]);
+    fmt(w.queue.waiting_for_blocks), usage(w.blocks), cache, video]);
 }
 
 function languageRow(w) {
@@ -69,7 +70,7 @@ function languageRow(w) {
 function fillTable(id, rows) {
   const body = document.querySelector(`#${id} tbody`);
   body.replaceChildren(...(rows.length ? rows
-    : [el("tr", { class: "empty" }, el("td", { colspan: "10", class: "muted" }, "no workers"))]));
+    : [el("tr", { class: "empty" }, el("td", { colspan: "11", class: "muted" }, "no workers"))]));
 }
 
 function svgNode(tag, attrs) {

@@ -1,0 +1,194 @@
+"""Encoded video bytes -> its header facts, then the sampled frames as RGB arrays (PyAV).
+
+Two steps, so limits come before pixels:
+
+* ``probe_video`` opens the container, reads its header (streams, frame size, rate, duration,
+  declared frame count) and checks the limits there; then it demuxes the video stream's packets
+  *without decoding them* to count the frames the file really holds (bounded by the frame
+  limit, so a header that understates its length cannot make us read more). A declared frame
+  count that disagrees with the packets is a lying header and is refused.
+* ``decode_frames`` decodes the stream once, front to back, and hands each wanted frame (by
+  index) to a callback as 8-bit RGB; frames not wanted are decoded (the codec needs them) but
+  never converted. Every frame must have the header's size.
+
+Every failure is an ``InvalidInput``: corrupt, truncated, audio-only, unsupported, zero frames,
+over a limit, or lying about its length.
+
+NOTE: only the container demuxers in ``CONTAINERS`` are ever used (FFmpeg's
+``format_whitelist``): playlist and concat demuxers (HLS, ffconcat) would otherwise open the
+files or URLs a crafted "video" names.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+import av
+import numpy as np
+
+from .decode import DecodeLimits, check_size
+from .errors import InvalidInput
+
+CONTAINERS = "mov,mp4,matroska,webm,avi,mpegts,flv,ogg"  # demuxers a video may use
+# What PyAV raises on bytes it cannot make sense of (text it cannot decode is a ValueError).
+UNREADABLE = (av.FFmpegError, ValueError, TypeError, OverflowError, EOFError, MemoryError)
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What a video may be, checked from its header and packets before any frame is decoded."""
+
+    max_seconds: float = 600.0
+    max_frames: int = 36_000  # frames in the file (not sampled ones)
+    max_streams: int = 8
+    frame: DecodeLimits = DecodeLimits(max_pixels=8_294_400)  # per frame (4K UHD)
+
+
+@dataclass(frozen=True)
+class VideoHeader:
+    """What probing a video found: the facts sampling and the budget need."""
+
+    width: int
+    height: int
+    num_frames: int  # video packets (= frames) in the stream
+    fps: float  # its average frame rate
+    codec: str
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_frames / self.fps
+
+
+def probe_video(data: bytes, limits: VideoLimits) -> VideoHeader:
+    """The header facts of ``data`` once they passed ``limits`` (no frame decoded)."""
+    container = _open(data)
+    try:
+        if len(container.streams) > limits.max_streams:
+            raise InvalidInput(
+                f"video container has {len(container.streams)} streams; "
+                f"the limit is {limits.max_streams}"
+            )
+        if not container.streams.video:
+            kinds = sorted({s.type for s in container.streams}) or ["none"]
+            raise InvalidInput(f"file has no video stream (streams: {', '.join(kinds)})")
+        stream = container.streams.video[0]
+        ctx = stream.codec_context
+        if ctx is None or not ctx.name:
+            raise InvalidInput("video stream uses an unsupported codec")
+        width, height = int(ctx.width or 0), int(ctx.height or 0)
+        if width <= 0 or height <= 0:
+            raise InvalidInput("video header has no frame size (corrupt or unsupported)")
+        check_size(width, height, limits.frame)
+        rate = stream.average_rate or stream.guessed_rate
+        fps = float(rate) if rate else 0.0
+        if not fps > 0:
+            raise InvalidInput("video header has no frame rate")
+        declared_s = _declared_seconds(stream, container)
+        if declared_s > limits.max_seconds:
+            raise InvalidInput(
+                f"video is {declared_s:.1f} s long; the limit is {limits.max_seconds:g} s"
+            )
+        declared = int(stream.frames or 0)
+        if declared > limits.max_frames:
+            raise InvalidInput(f"video has {declared} frames; the limit is {limits.max_frames}")
+        num_frames = _count_packets(container, stream, limits.max_frames)
+        codec = ctx.name
+    except InvalidInput:
+        raise
+    except UNREADABLE as exc:
+        raise InvalidInput(f"corrupt or truncated video ({_why(exc)})") from None
+    finally:
+        container.close()
+    if num_frames == 0:
+        raise InvalidInput("video stream holds no frames")
+    if declared and declared != num_frames:
+        raise InvalidInput(
+            f"video header says {declared} frames but its stream holds {num_frames} "
+            "(truncated or corrupt)"
+        )
+    if num_frames / fps > limits.max_seconds:
+        raise InvalidInput(
+            f"video is {num_frames / fps:.1f} s long ({num_frames} frames at {fps:g} fps); "
+            f"the limit is {limits.max_seconds:g} s"
+        )
+    return VideoHeader(width, height, num_frames, fps, codec)
+
+
+def decode_frames(
+    data: bytes,
+    header: VideoHeader,
+    wanted: list[int],
+    on_frame: Callable[[int, np.ndarray], None],
+) -> None:
+    """Decode ``data`` and call ``on_frame(index, rgb [H, W, 3] uint8)`` for every frame index
+    in ``wanted`` (ascending; repeats allowed), in order."""
+    if not wanted:
+        return
+    todo = sorted(set(wanted))
+    container = _open(data)
+    try:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        index, pos = 0, 0
+        for frame in container.decode(stream):
+            if index == todo[pos]:
+                if (frame.width, frame.height) != (header.width, header.height):
+                    raise InvalidInput(
+                        f"video frame {index} is {frame.width}x{frame.height}; the header says "
+                        f"{header.width}x{header.height}"
+                    )
+                on_frame(index, frame.to_ndarray(format="rgb24"))
+                pos += 1
+                if pos == len(todo):
+                    return
+            index += 1
+    except InvalidInput:
+        raise
+    except UNREADABLE as exc:
+        raise InvalidInput(f"corrupt or truncated video ({_why(exc)})") from None
+    finally:
+        container.close()
+    raise InvalidInput(
+        f"video decoded to {index} frames, fewer than its {header.num_frames} packets "
+        "(corrupt or truncated)"
+    )
+
+
+def _open(data: bytes):
+    try:
+        return av.open(io.BytesIO(data), mode="r", options={"format_whitelist": CONTAINERS})
+    except av.FFmpegError as exc:
+        raise InvalidInput(
+            "data is not a readable video: corrupt, truncated or an unsupported format "
+            f"({_why(exc)})"
+        ) from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise InvalidInput(f"corrupt or truncated video ({_why(exc)})") from None
+
+
+def _why(exc: Exception) -> str:
+    """FFmpeg's reason, without PyAV's placeholder file name."""
+    return str(getattr(exc, "strerror", None) or exc)
+
+
+def _declared_seconds(stream, container) -> float:
+    """The duration the header declares (the stream's, else the container's); 0 when none."""
+    if stream.duration and stream.time_base:
+        return float(stream.duration * Fraction(stream.time_base))
+    if container.duration:
+        return container.duration / av.time_base
+    return 0.0
+
+
+def _count_packets(container, stream, max_frames: int) -> int:
+    """Video packets with data in the stream, demuxed (not decoded); refused past the limit."""
+    num = 0
+    for packet in container.demux(stream):
+        if packet.size:
+            num += 1
+            if num > max_frames:
+                raise InvalidInput(f"video has more than {max_frames} frames (the limit)")
+    return num

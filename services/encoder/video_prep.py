@@ -1,0 +1,117 @@
+"""A probed video -> a ``PreparedVideo``: its sampled frames decoded, resized and cut into one
+ViT unit per frame group, or its groups' rows taken from the embedding cache.
+
+Frames are resized like images (PIL bicubic, to the plan's size) as soon as they are decoded,
+so only resized frames are held; they are normalized and cut with the image path's lookup table
+(``PatchCutter.cut_frames``: ``[grid_h * grid_w, C * temporal * p * p]`` per group, the video
+processor's layout). The checkpoint's image processor gives the normalization (Qwen's video
+processors use the same mean and std).
+
+Keys: the video's key is xxh3_128 over the preprocessing parameters, the plan (frame indices,
+size, fps, timestamps) and the resized frames; group ``g``'s key (its cache entry) is xxh3_128
+over the video's key and ``g``. The same clip sampled differently is another video.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+import xxhash
+from PIL import Image
+
+from .cache import EmbeddingCache
+from .preprocess import ImagePreprocessor
+from .types import PreparedImage, PreparedVideo
+from .video_decode import VideoHeader, decode_frames
+from .video_sampling import VideoPlan, VideoSettings, plan_video
+
+
+class VideoPreprocessor:
+    def __init__(self, images: ImagePreprocessor, defaults: VideoSettings) -> None:
+        self._images = images
+        self.defaults = defaults
+        self.patch_size = images.patch_size
+        self.merge_size = images.merge_size
+        self.temporal_patch_size = int(images.processor.temporal_patch_size)
+
+    def plan(self, header: VideoHeader, settings: VideoSettings) -> VideoPlan:
+        return plan_video(
+            header, settings, self.patch_size, self.merge_size, self.temporal_patch_size
+        )
+
+    def prepare(
+        self,
+        data: bytes,
+        header: VideoHeader,
+        plan: VideoPlan,
+        cache: EmbeddingCache | None,
+    ) -> PreparedVideo:
+        """Decode the plan's frames, key the video, and cut each uncached group's patches."""
+        frames = self.sampled_frames(data, header, plan)
+        key = self._key(plan, frames)
+        tp = self.temporal_patch_size
+        _, grid_h, grid_w = plan.grid_thw
+        grid = (1, grid_h, grid_w)
+        num_tokens = grid_h * grid_w // self.merge_size**2
+        groups = []
+        for g in range(plan.grid_thw[0]):
+            group_key = xxhash.xxh3_128(key + g.to_bytes(4, "little")).digest()
+            rows = cache.get(group_key) if cache is not None else None
+            if rows is not None:
+                groups.append(PreparedImage(group_key, grid, num_tokens, rows=rows))
+                continue
+            pixels = self.cut(frames[g * tp : (g + 1) * tp])
+            groups.append(PreparedImage(group_key, grid, num_tokens, pixel_values=pixels))
+        return PreparedVideo(
+            key=key,
+            grid_thw=plan.grid_thw,
+            groups=groups,
+            second_per_grid_t=plan.second_per_grid_t,
+            timestamps=list(plan.timestamps),
+            num_frames=len(plan.indices),
+        )
+
+    def sampled_frames(self, data: bytes, header: VideoHeader, plan: VideoPlan) -> list[np.ndarray]:
+        """The plan's frames, decoded and resized: ``[height, width, 3]`` uint8 each, in the
+        plan's order (a frame used twice appears twice)."""
+        resized: dict[int, np.ndarray] = {}
+        size = (plan.width, plan.height)
+
+        def keep(index: int, rgb: np.ndarray) -> None:
+            img = Image.fromarray(rgb, "RGB")
+            if img.size != size:
+                img = img.resize(size, Image.Resampling.BICUBIC)
+            resized[index] = np.asarray(img)
+
+        decode_frames(data, header, list(plan.indices), keep)
+        return [resized[i] for i in plan.indices]
+
+    def cut(self, frames: list[np.ndarray]) -> torch.Tensor:
+        """One frame group's flat fp32 patches."""
+        cutter = self._images.cutter
+        if cutter is not None:
+            return cutter.cut_frames(frames)
+        # The processor cuts an image with its frame repeated; take one temporal slice per frame.
+        proc, p = self._images.processor, self.patch_size
+        slices = []
+        for t, frame in enumerate(frames):
+            out = proc(images=[Image.fromarray(frame)], do_resize=False, return_tensors="pt")
+            patches = out["pixel_values"]
+            slices.append(patches.view(patches.shape[0], 3, len(frames), p, p)[:, :, t])
+        return torch.stack(slices, dim=2).reshape(slices[0].shape[0], -1).contiguous()
+
+    def _key(self, plan: VideoPlan, frames: list[np.ndarray]) -> bytes:
+        h = xxhash.xxh3_128()
+        h.update(self._images.params_digest)
+        meta = {
+            "indices": list(plan.indices),
+            "size": [plan.height, plan.width],
+            "sample_fps": plan.sample_fps,
+            "timestamps": list(plan.timestamps),
+        }
+        h.update(b"video:" + json.dumps(meta, sort_keys=True).encode())
+        for frame in frames:
+            h.update(frame.tobytes())
+        return h.digest()
