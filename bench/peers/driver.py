@@ -37,6 +37,7 @@ from bench.peers.table import format_result
 from bench.peers.vllm_server import vllm_serving
 
 SYSTEMS = ("ours", "vllm")
+VIDEO_WORKLOADS = tuple(n for n in workloads.WORKLOADS if n not in workloads.DEFAULT_WORKLOADS)
 CONCURRENCY = (1, 16, 64)
 QUICK_CONCURRENCY = (16,)
 QUICK_WORKLOADS = ("text", "image")
@@ -255,7 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workloads",
         type=csv_workloads,
-        help=f"default {','.join(workloads.WORKLOADS)} (quick: {','.join(QUICK_WORKLOADS)})",
+        help=f"default {','.join(workloads.DEFAULT_WORKLOADS)} (quick: "
+        f"{','.join(QUICK_WORKLOADS)}); also {','.join(VIDEO_WORKLOADS)}",
     )
     parser.add_argument(
         "--requests",
@@ -282,7 +284,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def bench(args: argparse.Namespace) -> dict:
     args.concurrency = args.concurrency or (QUICK_CONCURRENCY if args.quick else CONCURRENCY)
     args.workloads = args.workloads or (
-        QUICK_WORKLOADS if args.quick else tuple(workloads.WORKLOADS)
+        QUICK_WORKLOADS if args.quick else workloads.DEFAULT_WORKLOADS
     )
     dtype, why = resolve_dtype(args.dtype)
     say(f"dtype: {dtype} ({why})")

@@ -26,8 +26,9 @@ from common.procs import free_port
 
 STARTUP_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = 16384  # a 60 s clip at 2 fps is ~8.7k tokens
 MAX_IMAGES = 4
+MAX_VIDEOS = 1
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB of KV cache
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
@@ -37,7 +38,7 @@ CPU_ENV = {
 
 def server_args(model_dir: Path, dtype: str, port: int) -> list[str]:
     """The api_server's arguments."""
-    limits = json.dumps({"image": MAX_IMAGES, "video": 0})
+    limits = json.dumps({"image": MAX_IMAGES, "video": MAX_VIDEOS})
     return ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN), "--skip-mm-profiling",
             "--limit-mm-per-prompt", limits]  # fmt: skip

@@ -2,7 +2,9 @@
 
 Workloads: ``text`` (a ~40-token prompt), ``image`` (one fresh 448x448 PNG), ``four_images``
 (four fresh ones), ``repeated_image`` (the same image in every request, fresh text) and
-``json_schema`` (``text`` whose answer must follow a JSON schema: structured output). Every
+``json_schema`` (``text`` whose answer must follow a JSON schema: structured output), and the
+video ones, not in the default set: ``video_10s`` / ``video_60s`` (a fresh clip of 10 or 60
+seconds, ``videos.py``) and ``repeated_video`` (the same 10 s clip every time). Every
 prompt starts with a random number, and fresh images are random noise, so no prefix or image
 cache hits across requests except the repeated image's (the intended one). Images go first in
 the message (the way clients send "this picture: question"), the text after them. Bodies are
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
+
+from bench.peers import videos
 
 MAX_TOKENS = 32
 IMAGE_SIDE = 448
@@ -44,6 +48,7 @@ class Workload:
     num_images: int
     repeated: bool = False
     structured: bool = False  # the answer under ``JSON_SCHEMA`` (response_format)
+    video_s: int = 0  # one clip of this many seconds (0: none)
 
 
 WORKLOADS = {
@@ -54,8 +59,13 @@ WORKLOADS = {
         Workload("four_images", 4),
         Workload("repeated_image", 1, repeated=True),
         Workload("json_schema", 0, structured=True),
+        Workload("video_10s", 0, video_s=10),
+        Workload("video_60s", 0, video_s=60),
+        Workload("repeated_video", 0, repeated=True, video_s=10),
     )
 }
+DEFAULT_WORKLOADS = tuple(name for name, w in WORKLOADS.items() if not w.video_s)
+REPEATED_VIDEO_SEED = 20261126
 
 
 def noise_png(rng: np.random.Generator, side: int = IMAGE_SIDE) -> bytes:
@@ -98,8 +108,12 @@ def body(
     else:
         urls = [data_url(noise_png(rng, side)) for _ in range(workload.num_images)]
     text = prompt(rng)
-    if urls:
-        parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    if workload.video_s:
+        clip_rng = np.random.default_rng(REPEATED_VIDEO_SEED) if workload.repeated else rng
+        url = videos.video_url(videos.make_clip(clip_rng, workload.video_s))
+        parts.append({"type": "video_url", "video_url": {"url": url}})
+    if parts:
         content: str | list[dict] = [*parts, {"type": "text", "text": text}]
     else:
         content = text

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.peers import aiperf, driver, memory, stats, table, vllm_server, workloads
+from bench.peers import aiperf, driver, memory, stats, table, videos, vllm_server, workloads
 from bench.peers.client import RequestResult, RunResult, per_token_gaps, run_requests_async
 from bench.peers.dtypes import resolve_dtype
 from bench.peers.install_vllm import FIXUP_MARK, guard_fake_registrations
@@ -105,6 +105,35 @@ def test_repeated_image_is_the_same_with_fresh_text() -> None:
     assert images_of(first) == images_of(second) == images_of(third)
     assert text_of(first) != text_of(second)
     assert images_of(first) != images_of(make("image", 1)[0])
+
+
+def videos_of(body: dict) -> list[bytes]:
+    prefix = "data:video/mp4;base64,"
+    urls = [p["video_url"]["url"] for p in body["messages"][0]["content"]
+            if p["type"] == "video_url"]  # fmt: skip
+    assert all(u.startswith(prefix) for u in urls)
+    return [base64.b64decode(u[len(prefix) :]) for u in urls]
+
+
+def test_video_workloads_send_one_clip_at_2_fps_and_only_they_do() -> None:
+    import av
+
+    for name, seconds in (("video_10s", 10), ("video_60s", 60), ("repeated_video", 10)):
+        body = make(name, 1)[0]
+        (clip,) = videos_of(body)
+        with av.open(io.BytesIO(clip)) as src:
+            frames = [f.to_ndarray(format="rgb24") for f in src.decode(video=0)]
+            assert float(src.streams.video[0].average_rate) == videos.CLIP_FPS == 2
+        assert len(frames) == 2 * seconds and frames[0].shape == (336, 336, 3)
+        assert body["messages"][0]["content"][-1]["type"] == "text"
+        assert name not in workloads.DEFAULT_WORKLOADS
+    for name in ("image", "four_images", "repeated_image"):
+        assert not videos_of(make(name, 1)[0])
+    first, second = make("video_10s", 2)
+    assert videos_of(first) != videos_of(second)  # fresh clips
+    again = make("repeated_video", 2) + make("repeated_video", 1, seed=3)
+    assert len({videos_of(b)[0] for b in again}) == 1  # one clip, fresh text
+    assert len({text_of(b) for b in again}) == 3
 
 
 # ---- the client against a stand-in server -----------------------------------------------------
@@ -389,10 +418,10 @@ def test_aiperf_export_and_command(tmp_path) -> None:
 def test_vllm_command_line_and_environment(tmp_path) -> None:
     args = vllm_server.server_args(tmp_path / "ckpt", "bfloat16", 1234)
     joined = " ".join(args)
-    assert "--dtype bfloat16" in joined and "--max-model-len 4096" in joined
+    assert "--dtype bfloat16" in joined and "--max-model-len 16384" in joined
     assert "--skip-mm-profiling" in args and "--host 127.0.0.1 --port 1234" in joined
     limits = json.loads(args[args.index("--limit-mm-per-prompt") + 1])
-    assert limits == {"image": 4, "video": 0}
+    assert limits == {"image": 4, "video": 1}
     env = vllm_server.server_env(tmp_path)
     for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "VLLM_RPC_BASE_PATH", "TMPDIR"):
         assert env[key].startswith(str(tmp_path))
