@@ -78,7 +78,8 @@ class SessionCall:
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ended = False
-        self._submitted: grpc.Future | None = None  # until the first next() looked at it
+        self._submitted: grpc.Future | None = None  # the Submit call, once sent
+        self._checked = False  # whether next() looked at the Submit's answer
 
     def submit(self, request: language_pb2.LanguageGenerateRequest) -> None:
         """Send ``Submit``; a failure ends the call."""
@@ -94,8 +95,9 @@ class SessionCall:
         return self
 
     def __next__(self) -> language_pb2.LanguageGenerateChunk:
-        submitted, self._submitted = self._submitted, None
-        if submitted is not None:  # the first next: was it taken?
+        submitted = self._submitted
+        if submitted is not None and not self._checked:  # the first next: was it taken?
+            self._checked = True
             try:
                 submitted.result(timeout=self._remaining())
             except grpc.RpcError as exc:
