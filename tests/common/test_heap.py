@@ -20,11 +20,13 @@ class Node:
 
 
 def test_startup_objects_frozen_later_cycles_still_collected(unfrozen):
-    startup = [Node() for _ in range(1000)]
+    early = Node()
+    early_ref = weakref.ref(early)
     num_frozen = freeze_startup_heap()
-    assert num_frozen >= len(startup) and gc.get_freeze_count() == num_frozen
+    assert num_frozen >= 1 and gc.get_freeze_count() > 0
+    del early  # garbage now, but frozen: the collector never looks at it
     gc.collect()
-    assert gc.get_freeze_count() == num_frozen  # a full collection leaves them frozen
+    assert early_ref() is not None
     later = weakref.ref(Node())
     gc.collect()
     assert later() is None  # a cycle made after the freeze is still found and freed
