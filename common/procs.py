@@ -79,7 +79,7 @@ def check_health(
 ) -> bool:
     """True when ``address`` answers grpc.health.v1 Check with SERVING (over TLS when
     ``security`` says so; health needs no bearer secret)."""
-    with create_channel(address, security, keepalive=False) as channel:
+    with create_channel(address, security, keepalive=None) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s

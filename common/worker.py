@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.advertise import advertised_host, transfer_host
+from common.channels import Keepalive
 from common.cli_config import add_cli_args, field, from_cli_args
 from common.grpc_server import Server
 from common.internal import (
@@ -74,6 +75,15 @@ class WorkerConfig:
         "one per core). Give each process its own cores' worth when several share a machine",
     )
     heartbeat_interval_s: float = field(1.0, help="seconds between heartbeats to the gateway")
+    keepalive_s: float = field(
+        10.0,
+        help="seconds between HTTP/2 pings to each caller (the gateways): a gateway cut off "
+        "ends its calls here, freeing their KV slots and rooms, within keepalive_timeout_s "
+        "while a stream carries tokens, keepalive_s + keepalive_timeout_s when idle",
+    )
+    keepalive_timeout_s: float = field(
+        5.0, help="seconds a ping may go unanswered (and sent bytes unacknowledged)"
+    )
     metrics_port: int = field(0, help="Prometheus metrics HTTP port (0 = off)")
     health_port: int = field(
         0, help="plaintext port serving only grpc.health.v1, for probes (0 = off)"
@@ -97,12 +107,18 @@ class WorkerConfig:
             )
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.keepalive_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError("keepalive_s and keepalive_timeout_s must be positive")
         if self.compute_threads < 0:
             raise ValueError(f"compute_threads must be >= 0, got {self.compute_threads}")
         parse_gateways(self.gateway)
         for name in ("metrics_port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
+
+    @property
+    def keepalive(self) -> Keepalive:
+        return Keepalive(self.keepalive_s, self.keepalive_timeout_s)
 
 
 class WorkerRuntime:

@@ -77,6 +77,7 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
         capacity,
         server_security(config.worker.internal),
         work_methods=(generate,),
+        keepalive=config.worker.keepalive,
     )
     servicer = LanguageServicer(engine_thread, embedding_source)
     language_pb2_grpc.add_LanguageServiceServicer_to_server(servicer, server)
