@@ -12,6 +12,7 @@ test process in any case (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,13 +26,16 @@ from tests.e2e import conftest as e2e_conftest
 from tests.e2e.conftest import FAST_TRANSFER_ENV, STACKS, STARTUP_S, Stack
 from tests.hosts.netns import Host, Network, leftover_namespaces, skip_reason
 
-# Each host has its own ports, so fixed ones never collide.
+# Each host has its own ports, so fixed ones never collide. Pings every 2 s, answered within 3 s:
+# a peer cut off is found within ~3 s while its streams carry data, ~5 s when idle.
+KEEPALIVE = ("--keepalive-s", "2", "--keepalive-timeout-s", "3")
 GATEWAY_PORT, REGISTRY_PORT, WORKER_PORT = 7000, 7001, 7100
 HOSTS_ENV = {**FAST_TRANSFER_ENV, "EPD_TRANSFER_TRANSPORT": "mooncake"}  # no shm across hosts
 GATEWAY_ARGS = ("--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
                 "--registry-port", str(REGISTRY_PORT),
-                "--worker-expiry-s", "3", "--health-poll-s", "0.5")  # fmt: skip
-WORKER_ARGS = ("--host", "0.0.0.0", "--port", str(WORKER_PORT), "--heartbeat-interval-s", "0.5")
+                "--worker-expiry-s", "3", "--health-poll-s", "0.5", *KEEPALIVE)  # fmt: skip
+WORKER_ARGS = ("--host", "0.0.0.0", "--port", str(WORKER_PORT), "--heartbeat-interval-s", "0.5",
+               *KEEPALIVE)  # fmt: skip
 
 
 @dataclass
@@ -56,6 +60,15 @@ class HostStack(Stack):
     def restore(self, proc: ServiceProcess) -> None:
         assert self.network is not None
         self.network.restore(self.host(proc))
+
+    def encoder_holds(self, index: int) -> str:
+        """What encoder ``index`` still holds ("" when nothing: no rooms, blocks, patch
+        bytes)."""
+        load = self.encoder_load(index)
+        blocks = json.loads(load.sender_stats_json or "{}").get("num_used_blocks", 0)
+        if load.num_queued_requests or blocks or load.queued_pixel_bytes:
+            return f"{load.num_queued_requests} rooms, {blocks} blocks, {load.queued_pixel_bytes} B"
+        return ""
 
     def add_worker(self, role: str, extra_args: tuple[str, ...] = ()) -> ServiceProcess:
         """Start (not wait for) one more worker of ``role`` on a host of its own."""
