@@ -4,6 +4,9 @@ refused by the registry when a remote caller registers a loopback address."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from common.advertise import advertised_host, transfer_host, unreachable_reason
@@ -47,3 +50,22 @@ def test_registry_refuses_loopback_from_a_remote_caller():
     assert "loopback" in unreachable_reason("[::1]:7100", "ipv6:[fd00::5]:5555")
     assert "unspecified" in unreachable_reason("0.0.0.0:7100", "ipv4:127.0.0.1:5555")
     assert unreachable_reason("127.0.0.1:7100", "unix:/tmp/s") == ""
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((), "--advertise-host (here: --host) 127.0.0.1 is a loopback address"),
+        (("--host", "0.0.0.0", "--advertise-host", REMOTE), "is not an address of this host"),
+        (("--host", "0.0.0.0", "--transfer-host", "127.0.0.1"), "--transfer-host 127.0.0.1"),
+    ],
+)
+def test_a_worker_that_peers_could_not_reach_exits_at_start(args, message, tmp_path):
+    """As a pod starts it: ``epd serve`` exits 2 with the reason, before loading anything."""
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "language", "--model-path",
+         str(tmp_path), "--gateway", f"{REMOTE}:50052", *args],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr, done.stderr[-2000:]

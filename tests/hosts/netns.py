@@ -140,6 +140,19 @@ class Network:
     def restore(self, host: Host) -> None:
         ip("-n", host.netns, "link", "set", host.veth, "up")
 
+    def netem(self, host: Host, *spec: str) -> str:
+        """Shape ``host``'s link with ``tc qdisc ... netem SPEC`` (``delay 20ms loss 2%``);
+        returns why it cannot ("" when done): no ``tc``, or a kernel without netem."""
+        if shutil.which("tc") is None:
+            return "the `tc` command is missing"
+        command = ["tc", "qdisc", "replace", "dev", host.veth, "root", "netem", *spec]
+        done = subprocess.run(
+            [*host.wrapper, *command], capture_output=True, text=True, timeout=30, check=False
+        )
+        if done.returncode:
+            return f"tc netem: {done.stderr.strip() or done.returncode}"
+        return ""
+
     def close(self) -> None:
         """Remove everything this network made (idempotent; errors are ignored: a namespace
         that is already gone is fine)."""
