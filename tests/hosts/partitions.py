@@ -98,16 +98,28 @@ class Result:
 
 
 def send(client: GatewayClient, kind: str, seed: int, timeout_s: float) -> Result:
-    """One request of ``kind`` (``text`` | ``image`` | ``long``: several times the default
-    transfer buffer), unary, through every gateway the client lists."""
+    """One request of ``kind`` through every gateway the client lists: ``text``, ``image``,
+    ``long`` (an image whose prompt is several times the default transfer buffer), all unary,
+    or ``stream`` (a small image, 64 tokens streamed)."""
     from tests.e2e.conftest import noise_image, png_bytes
 
     images = {
         "text": [],
         "image": [png_bytes(noise_image(seed, 112 + 28 * (seed % 4)))],
+        "stream": [png_bytes(noise_image(seed, 112))],
         "long": [png_bytes(noise_image(seed, 672))],
     }[kind]
     started = time.monotonic()
+    if kind == "stream":
+        outcome = consume(
+            client.generate_stream(f"Request {seed}: a story.", images, max_tokens=64,
+                                   ignore_eos=True, timeout=timeout_s),
+            Outcome(),
+        )  # fmt: skip
+        assert outcome.code is not None
+        last = outcome.chunks[-1] if outcome.chunks else None
+        return Result(kind, outcome.code, started, outcome.ended_at, outcome.details,
+                      last.encoder if last else "", last.language if last else "")  # fmt: skip
     try:
         reply = client.generate(f"Request {seed}: describe.", images, max_tokens=8,
                                 timeout=timeout_s)  # fmt: skip
