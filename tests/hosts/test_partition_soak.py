@@ -3,8 +3,9 @@ worker's host and then an encoder's host are each cut off for 10 s and restored.
 
 Two encoders and two language workers behind one gateway, each on a host of its own. Mixed:
 text only, a small image, and an image whose prompt is over twice the default transfer buffer
-(continuations), all unary; and a small image with 64 tokens streamed. Printed: requests by terminal status, time for each cut-off worker to leave
-routing and to rejoin after its link returned, latency; at the end nothing is held anywhere.
+(continuations), all unary; and a small image with 64 tokens streamed. Printed: requests by
+terminal status, time for each cut-off worker to leave routing and to rejoin after its link
+returned, latency; at the end nothing is held anywhere.
 """
 
 from __future__ import annotations
