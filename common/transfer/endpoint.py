@@ -74,7 +74,10 @@ class TransferEndpoint(ABC):
                 from .mooncake_transport import MooncakeTransport
 
                 self.mooncake = MooncakeTransport(
-                    config.bind_host, config.protocol, config.device_names
+                    config.bind_host,
+                    config.protocol,
+                    config.device_names,
+                    config.transfer_timeout_s,
                 )
                 self.mooncake.register(list(self.buffers.regions.values()))
             self.channel = ControlChannel(
