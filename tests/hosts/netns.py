@@ -77,6 +77,8 @@ class Network:
 
     def __init__(self) -> None:
         self.sid = secrets.token_hex(2)
+        while leftover_namespaces(self.sid):  # another run's (or a killed one's) id
+            self.sid = secrets.token_hex(2)
         self.subnet = _free_subnet()
         self.bridge_ns = f"{NAMESPACE_PREFIX}{self.sid}-br"
         self.hosts: dict[str, Host] = {}

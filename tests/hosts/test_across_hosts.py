@@ -4,16 +4,19 @@ worker advertises the address of its own host, found from the route to its gatew
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from common.models.hf_reference import HFReference
+from tests.conftest import ARCHS
 from tests.e2e.conftest import noise_image, png_bytes
 
 MAX_TOKENS = 12
 
 
-def test_greedy_equals_monolithic_across_hosts(tiny_model_dir, host_stack_factory):
-    model_dir = tiny_model_dir("qwen2_5_vl")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_monolithic_across_hosts(arch, tiny_model_dir, host_stack_factory):
+    model_dir = tiny_model_dir(arch)
     ref = HFReference(model_dir, wire_dtype=torch.bfloat16)
     stack = host_stack_factory(model_dir)
     workers = {w.address: w for w in stack.workers()}
