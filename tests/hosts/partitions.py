@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -27,6 +28,7 @@ class Outcome:
     ended_at: float = 0.0  # time.monotonic()
     first_chunk: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)
+    call: Any = None  # the streaming call (``cancel()`` ends it)
 
     @property
     def num_tokens(self) -> int:
@@ -56,8 +58,8 @@ def consume(call, outcome: Outcome) -> Outcome:
 def stream(
     pool: ThreadPoolExecutor, client: GatewayClient, prompt: str, images=(), **kw
 ) -> tuple[Outcome, Future]:
-    outcome = Outcome()
     call = client.generate_stream(prompt, list(images), **kw)
+    outcome = Outcome(call=call)
     return outcome, pool.submit(consume, call, outcome)
 
 

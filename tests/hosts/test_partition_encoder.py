@@ -26,11 +26,18 @@ def in_flight(stack, role: str) -> dict[str, int]:
     return {w.address: w.in_flight for w in stack.workers() if w.role == role}
 
 
+def busy_encoder(stack) -> str:
+    """The encoder with at least two requests in flight while the language worker receives
+    ("" when none is)."""
+    loads = in_flight(stack, "encoder")
+    address = max(loads, key=loads.get)
+    return address if loads[address] >= 2 and receiving(stack, 0) >= 1 else ""
+
+
 def test_encoder_host_cut_with_rooms_in_every_state(tiny_model_dir, host_stack_factory) -> None:
     stack = host_stack_factory(
         tiny_model_dir(ARCH), num_encoders=2, env={"EPD_TRANSFER_DEFAULT_TOKENS": "128"}
     )
-    victim, survivor = stack.encoders
     # distinct large images: no cache hits, ViT work queued behind each other, multi-chunk rooms
     images = [png_bytes(noise_image(500 + i, 560)) for i in range(NUM_REQUESTS)]
     with stack.client() as client, ThreadPoolExecutor(NUM_REQUESTS) as pool:
@@ -38,13 +45,9 @@ def test_encoder_host_cut_with_rooms_in_every_state(tiny_model_dir, host_stack_f
             stream(pool, client, f"Describe {i}.", [images[i]], max_tokens=8, timeout=60)[0]
             for i in range(NUM_REQUESTS)
         ]
-        wait_until(
-            lambda: (
-                in_flight(stack, "encoder").get(victim.address, 0) >= 2 and receiving(stack, 0) >= 1
-            ),
-            60,
-            "rooms on the victim",
-        )
+        busiest = wait_until(lambda: busy_encoder(stack), 60, "an encoder with rooms")
+        victim = next(p for p in stack.encoders if p.address == busiest)
+        survivor = next(p for p in stack.encoders if p is not victim)
         cut_at = time.monotonic()
         stack.cut(victim)
         unrouted_s = seconds_until(
@@ -67,7 +70,8 @@ def test_encoder_host_cut_with_rooms_in_every_state(tiny_model_dir, host_stack_f
         back_s = seconds_until(
             lambda: victim.address in routed(stack, "encoder"), restored_at, 30, "rejoined"
         )
-        wait_until(lambda: not stack.encoder_holds(0), 30, "the victim freed its rooms")
+        index = stack.encoders.index(victim)
+        wait_until(lambda: not stack.encoder_holds(index), 30, "the victim freed its rooms")
         print(f"\nencoder host cut: {len(failed)} of {NUM_REQUESTS} failed "
               f"({sorted({o.details.split(':')[0] for o in failed})}), the last ended "
               f"{last_end_s:.1f} s after the cut; out of routing after {unrouted_s:.1f} s, back "
