@@ -3,6 +3,8 @@
 Used by the integration tests and the benchmark to put the two ends in separate processes
 (``multiprocessing`` spawn). The child answers each ``(command, *args)`` with
 ``("ok", value)`` or ``("error", repr)``; ``"kill"`` exits at once without cleanup (a crash).
+With ``netns`` the child first moves into that network namespace (``ip netns add NAME``; root
+only): the peer is then on another "host" (``tests/hosts``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,25 @@ from common.procs import runtime_env
 from common.transfer.config import TransferConfig
 from common.transfer.layout import BufferLayout
 
+CLONE_NEWNET = 0x40000000
 
-def _serve(conn: Connection, role: str, config: TransferConfig, layout: BufferLayout) -> None:
+
+def enter_netns(name: str) -> None:
+    """Move this process into the named network namespace (before it opens any socket)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({name}) failed")
+    finally:
+        os.close(fd)
+
+
+def _serve(
+    conn: Connection, role: str, config: TransferConfig, layout: BufferLayout, netns: str = ""
+) -> None:
+    if netns:
+        enter_netns(netns)
     os.environ.setdefault("GLOG_minloglevel", "2")
     from common.transfer.receiver import EmbeddingReceiver
     from common.transfer.sender import EmbeddingSender
@@ -114,6 +133,11 @@ class _Handler:
             self.side.release(spec.seed)
         return {"elapsed_s": elapsed, "rooms": outcome}
 
+    def pop_outcomes(self, timeout_s: float) -> list[tuple[int, str]]:
+        """Rooms that ended since the last call: ``(room, "ok" | failure reason)``."""
+        done = self.side.pop_done(timeout_s=timeout_s)
+        return [(room, getattr(result, "reason", "ok")) for room, result in done]
+
     def _collect(self, rooms: set[int], timeout_s: float) -> dict:
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
@@ -172,10 +196,13 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
 class Peer:
     """Parent-side handle of a peer process (started with the serving ``runtime_env``)."""
 
-    def __init__(self, role: str, config: TransferConfig, layout: BufferLayout) -> None:
+    def __init__(
+        self, role: str, config: TransferConfig, layout: BufferLayout, netns: str = ""
+    ) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, role, config, layout), daemon=True)
+        args = (child, role, config, layout, netns)
+        self.process = ctx.Process(target=_serve, args=args, daemon=True)
         with _environment(runtime_env()):  # a spawned child takes our environment at start
             self.process.start()
         child.close()

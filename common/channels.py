@@ -19,7 +19,42 @@ from common.auth import AUTHORIZATION, bearer_metadata
 from common.secret_files import SecretFile
 from common.tls import ClientTLS
 
-KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+MIN_PEER_PING_MS = 1000  # the most often a server lets a peer ping it
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """HTTP/2 keepalive of one side of a connection: a ping every ``time_s``; a peer that does
+    not answer one within ``timeout_s`` is cut off and the calls on the connection end
+    ``UNAVAILABLE``. gRPC also sets the socket's ``TCP_USER_TIMEOUT`` to ``timeout_s``, so
+    bytes sent and left unacknowledged that long end the connection too: a partitioned peer is
+    found within ``timeout_s`` while a stream carries data, ``time_s + timeout_s`` when idle."""
+
+    time_s: float = 10.0
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.time_s <= 0 or self.timeout_s <= 0:
+            raise ValueError(f"keepalive times must be positive, got {self}")
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.keepalive_time_ms", int(self.time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.timeout_s * 1000)),
+        ]
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """A server pings its callers the same way, and lets them ping it as often as this
+        (gRPC's default refuses client pings more often than every 5 minutes on an idle
+        connection, answering ``too_many_pings``)."""
+        return [
+            *self.channel_options(),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PEER_PING_MS),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+
+
+DEFAULT_KEEPALIVE = Keepalive()
 
 
 @dataclass(frozen=True)
@@ -84,15 +119,16 @@ def create_channel(
     address: str,
     security: ChannelSecurity | None = None,
     max_message_mb: int = 64,
-    keepalive: bool = True,
+    keepalive: Keepalive | None = DEFAULT_KEEPALIVE,
 ) -> grpc.Channel:
     """A channel to ``address`` whose messages may be ``max_message_mb`` large, presenting
-    ``security`` (plaintext and anonymous when None)."""
+    ``security`` (plaintext and anonymous when None), pinging the peer as ``keepalive`` says
+    (None: no pings, for short-lived channels)."""
     max_bytes = max_message_mb << 20
     options = [
         ("grpc.max_send_message_length", max_bytes),
         ("grpc.max_receive_message_length", max_bytes),
-        *(KEEPALIVE_OPTIONS if keepalive else []),
+        *(keepalive.channel_options() if keepalive is not None else []),
     ]
     if security is not None and security.tls is not None:
         options += security.tls.options()

@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.auth import BearerAuthInterceptor
+from common.channels import DEFAULT_KEEPALIVE, Keepalive
 from common.drain import DrainGate, Readiness
 from common.heap import freeze_startup_heap
 from common.signals import TerminationSignals
@@ -109,7 +110,13 @@ class Server(grpc.Server):
         return self._inner.wait_for_termination(timeout)
 
 
-def _grpc_server(num_threads: int, thread_name: str, max_message_mb: int, interceptors=()):
+def _grpc_server(
+    num_threads: int,
+    thread_name: str,
+    max_message_mb: int,
+    interceptors=(),
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
+):
     """NOTE: grpcio sets ``SO_REUSEPORT`` by default, so a second server binds a port already in
     use and the kernel splits connections between the two. Ports here are exclusive."""
     max_bytes = max_message_mb << 20
@@ -120,6 +127,7 @@ def _grpc_server(num_threads: int, thread_name: str, max_message_mb: int, interc
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
             ("grpc.so_reuseport", 0),
+            *keepalive.server_options(),
         ],
     )
 
@@ -130,11 +138,14 @@ def create_server(
     capacity: StreamCapacity,
     security: ServerSecurity | None = None,
     work_methods: Sequence[str] = (),
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> Server:
     """A server whose messages may be ``max_message_mb`` large (images are MBs), running at most
     ``capacity.max_streams`` long calls on a pool of ``capacity.num_threads`` threads.
 
-    ``work_methods`` (full names) are the calls a drain refuses and waits for."""
+    ``work_methods`` (full names) are the calls a drain refuses and waits for. ``keepalive``:
+    how the server pings its callers (a caller cut off ends its calls, freeing what they hold)
+    and how often it lets them ping it."""
     interceptors: list[grpc.ServerInterceptor] = []
     if security is not None and security.auth is not None:
         interceptors.append(security.auth)  # first: refused calls take no stream slot
@@ -144,7 +155,9 @@ def create_server(
     bound = StreamCapacityInterceptor(capacity) if capacity.methods else None
     if bound is not None:
         interceptors.append(bound)
-    inner = _grpc_server(capacity.num_threads, f"{name}-rpc", max_message_mb, interceptors)
+    inner = _grpc_server(
+        capacity.num_threads, f"{name}-rpc", max_message_mb, interceptors, keepalive
+    )
     return Server(inner, name, security, bound, gate)
 
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -78,7 +79,7 @@ def check_health(
 ) -> bool:
     """True when ``address`` answers grpc.health.v1 Check with SERVING (over TLS when
     ``security`` says so; health needs no bearer secret)."""
-    with create_channel(address, security, keepalive=False) as channel:
+    with create_channel(address, security, keepalive=None) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -99,8 +100,11 @@ class ServiceProcess:
         log_dir: Path,
         env: dict[str, str] | None = None,
         security: ChannelSecurity | None = None,
+        wrapper: Sequence[str] = (),
     ) -> None:
-        """``security``: how to reach the process's gRPC port for health checks."""
+        """``security``: how to reach the process's gRPC port for health checks; ``wrapper``:
+        a command prefix to run it through (``ip netns exec NS``: another "host"; it must exec
+        the command, so that the pid stays the child's)."""
         self.name = name
         self.address = address
         self.security = security
@@ -113,7 +117,7 @@ class ServiceProcess:
         env = runtime_env({"PYTHONUNBUFFERED": "1", **(env or {}), **parent})
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args],
+            [*wrapper, sys.executable, "-m", "services.cli", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -292,7 +292,7 @@ def list_workers(
     registry_address: str, timeout_s: float = 5.0, security: ChannelSecurity | None = None
 ) -> list[registry_pb2.WorkerInfo]:
     """Every worker the gateway at ``registry_address`` (its registry port) knows."""
-    with create_channel(registry_address, security, keepalive=False) as channel:
+    with create_channel(registry_address, security, keepalive=None) as channel:
         stub = registry_pb2_grpc.WorkerRegistryStub(channel)
         return list(stub.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=timeout_s).workers)
 

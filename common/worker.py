@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.advertise import advertised_host, transfer_host
+from common.channels import Keepalive
 from common.cli_config import add_cli_args, field, from_cli_args
 from common.grpc_server import Server
 from common.internal import (
@@ -61,7 +63,10 @@ class WorkerConfig:
         "exit (keep it under the pod's terminationGracePeriodSeconds; 0 = exit at once)",
     )
     advertise_host: str = field(
-        "", help="address the gateway reaches this worker at ('' = the bind host)"
+        "",
+        help="address the gateways and the other workers reach this worker at ('' = the bind "
+        "host; when that is 0.0.0.0, the address of the interface that routes to the first "
+        "gateway); never a loopback address when a gateway is on another host",
     )
     capacity: int = field(64, help="requests this worker takes at once (routing hint)")
     compute_threads: int = field(
@@ -70,6 +75,15 @@ class WorkerConfig:
         "one per core). Give each process its own cores' worth when several share a machine",
     )
     heartbeat_interval_s: float = field(1.0, help="seconds between heartbeats to the gateway")
+    keepalive_s: float = field(
+        10.0,
+        help="seconds between HTTP/2 pings to each caller (the gateways): a gateway cut off "
+        "ends its calls here, freeing their KV slots and rooms, within keepalive_timeout_s "
+        "while a stream carries tokens, keepalive_s + keepalive_timeout_s when idle",
+    )
+    keepalive_timeout_s: float = field(
+        5.0, help="seconds a ping may go unanswered (and sent bytes unacknowledged)"
+    )
     metrics_port: int = field(0, help="Prometheus metrics HTTP port (0 = off)")
     health_port: int = field(
         0, help="plaintext port serving only grpc.health.v1, for probes (0 = off)"
@@ -93,12 +107,18 @@ class WorkerConfig:
             )
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.keepalive_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError("keepalive_s and keepalive_timeout_s must be positive")
         if self.compute_threads < 0:
             raise ValueError(f"compute_threads must be >= 0, got {self.compute_threads}")
         parse_gateways(self.gateway)
         for name in ("metrics_port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
+
+    @property
+    def keepalive(self) -> Keepalive:
+        return Keepalive(self.keepalive_s, self.keepalive_timeout_s)
 
 
 class WorkerRuntime:
@@ -200,10 +220,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser, env_prefix: str) -> No
 
 
 @dataclass(frozen=True)
-class _Checkpoint:
-    """The service config's own ``model_path`` field, read the same way (flag, then env)."""
+class _ServiceFields:
+    """The service config's own ``model_path`` and ``host`` fields, read the same way (flag,
+    then env)."""
 
     model_path: str = field("", help="checkpoint directory")
+    host: str = field("127.0.0.1", help="address the gRPC server binds")
 
 
 def served_model_name(model_path: str) -> str:
@@ -213,14 +235,17 @@ def served_model_name(model_path: str) -> str:
 
 def worker_configs(args: argparse.Namespace, env_prefix: str) -> dict:
     """``{"worker": WorkerConfig, "transfer": TransferConfig}`` to nest in a service config.
-    The worker's served model name defaults to the checkpoint directory's name."""
+    The worker's served model name defaults to the checkpoint directory's name; its advertised
+    host and its transfer host are decided here, once (``common.advertise``): ValueError when
+    peers could not reach them."""
     worker = from_cli_args(WorkerConfig, args, env_prefix, internal=internal_config(args))
+    service = from_cli_args(_ServiceFields, args, env_prefix)
     if not worker.served_model_name:
-        checkpoint = from_cli_args(_Checkpoint, args, env_prefix)
-        worker = replace(worker, served_model_name=served_model_name(checkpoint.model_path))
+        worker = replace(worker, served_model_name=served_model_name(service.model_path))
+    advertised = advertised_host(worker.advertise_host, service.host, worker.gateway)
+    transfer = from_cli_args(TransferConfig, args, TRANSFER_ENV_PREFIX, flag_prefix="transfer")
+    host = transfer_host(transfer.host, advertised, worker.gateway)
     return {
-        "worker": worker,
-        "transfer": from_cli_args(
-            TransferConfig, args, TRANSFER_ENV_PREFIX, flag_prefix="transfer"
-        ),
+        "worker": replace(worker, advertise_host=advertised),
+        "transfer": replace(transfer, host=host),
     }

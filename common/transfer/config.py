@@ -36,7 +36,11 @@ class TransferConfig:
     )
     protocol: str = field("tcp", help="Mooncake protocol: tcp here, rdma in production")
     device_names: str = field("", help="RDMA device names, e.g. mlx5_0,mlx5_1")
-    host: str = field("127.0.0.1", help="address advertised to peers (control socket + Mooncake)")
+    host: str = field(
+        "",
+        help="address the control socket and Mooncake bind and advertise to peers ('' = a "
+        "worker's advertised host; 127.0.0.1 for a bare endpoint)",
+    )
     control_port: int = field(0, help="ZMQ control port; 0 picks a free port")
     bootstrap_timeout_s: float = field(
         30.0,
@@ -119,6 +123,11 @@ class TransferConfig:
             raise ValueError(f"peer_idle_s must be positive, got {self.peer_idle_s}")
         if not 0.0 <= self.max_lent_fraction <= 1.0:
             raise ValueError(f"max_lent_fraction must be in [0, 1], got {self.max_lent_fraction}")
+
+    @property
+    def bind_host(self) -> str:
+        """The host the endpoint binds and advertises (``host``, or 127.0.0.1 when unset)."""
+        return self.host or "127.0.0.1"
 
     @property
     def default_blocks(self) -> int:

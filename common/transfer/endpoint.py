@@ -73,10 +73,19 @@ class TransferEndpoint(ABC):
             if uses_mooncake(config.transport):
                 from .mooncake_transport import MooncakeTransport
 
-                self.mooncake = MooncakeTransport(config.host, config.protocol, config.device_names)
+                self.mooncake = MooncakeTransport(
+                    config.bind_host,
+                    config.protocol,
+                    config.device_names,
+                    config.transfer_timeout_s,
+                )
                 self.mooncake.register(list(self.buffers.regions.values()))
             self.channel = ControlChannel(
-                config.host, config.control_port, self.auth, config.max_peers, config.peer_idle_s
+                config.bind_host,
+                config.control_port,
+                self.auth,
+                config.max_peers,
+                config.peer_idle_s,
             )
         except BaseException:
             self.buffers.close()

@@ -23,7 +23,7 @@ from .transport import BaseTransport
 from .types import TransferWriteError
 
 POLL_S = 50e-6  # sleep between status checks (the kernel rounds it up to ~0.1 ms)
-TIMEOUT_S = 30.0  # plus one second per GB, as Mooncake's own synchronous calls allow
+TIMEOUT_S = 30.0  # default deadline of a write, plus one second per GB
 _DONE, _PENDING = 1, 0  # transfer_check_status; -1 failed, -2 timed out
 
 
@@ -35,7 +35,16 @@ def _submitted(batch_id: int) -> bool:
 class MooncakeTransport(BaseTransport):
     name = "mooncake"
 
-    def __init__(self, host: str, protocol: str = "tcp", device_names: str = "") -> None:
+    def __init__(
+        self,
+        host: str,
+        protocol: str = "tcp",
+        device_names: str = "",
+        timeout_s: float = TIMEOUT_S,
+    ) -> None:
+        """``timeout_s``: how long a write may wait for its segments (plus one second per GB)
+        before it returns failed; the endpoint gives its ``transfer_timeout_s``, which the
+        receiver's quarantine of a failed room's blocks is sized on."""
         os.environ.setdefault("GLOG_minloglevel", "2")
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         from mooncake.engine import TransferEngine  # heavy import, only when used
@@ -45,6 +54,7 @@ class MooncakeTransport(BaseTransport):
         if rc != 0:
             raise RuntimeError(f"Mooncake initialize({host}, {protocol}) failed: {rc}")
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        self._timeout_s = timeout_s
         self._registered: set[int] = set()
 
     def register(self, regions: Sequence[Region]) -> None:
@@ -68,7 +78,7 @@ class MooncakeTransport(BaseTransport):
                 errors.append(f"Mooncake could not submit a write to {session}")
                 break
             pending.append((batch_id, nbytes))
-        deadline = time.monotonic() + TIMEOUT_S + sum(lengths) / 1e9
+        deadline = time.monotonic() + self._timeout_s + sum(lengths) / 1e9
         while pending:
             still = []
             for batch_id, nbytes in pending:

@@ -360,6 +360,7 @@ class EmbeddingReceiver(ReceiverChunks):
                 asked = state.state != RoomState.BOOTSTRAPPING
                 if state.sender_endpoint == ep and state.known_to_sender and asked:
                     self._fail(state, kind, kind.reason(f"{ep} silent"))
+            self.channel.reconnect(ep)  # its connection may be backed off (a partition)
         self._send_heartbeats(self._active_peers(), now)
 
     def _active_peers(self) -> set[str]:

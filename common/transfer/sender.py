@@ -327,6 +327,7 @@ class EmbeddingSender(SenderIntake):
             for state in list(self._rooms.values()):
                 if state.receiver_endpoint == ep:
                     self._fail(state, FailureKind.RECEIVER_DEAD, f"{ep} silent")
+            self.channel.reconnect(ep)  # its connection may be backed off (a partition)
         self._send_heartbeats(self._active_peers(), now)
         if self._shm_sweep_due and self.shm is not None:
             self._shm_sweep_due = False

@@ -67,6 +67,7 @@ def serve(
             capacity,
             server_security(config.worker.internal),
             work_methods=(encode,),
+            keepalive=config.worker.keepalive,
         )
         encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(service), server)
         port, _ = start_server(

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from common.channels import DEFAULT_KEEPALIVE, Keepalive
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.errors import REQUEST_ABORTED
 
@@ -107,7 +108,11 @@ class GatewayClient:
         api_key: str | None = None,
         tls_ca: str | Path | bytes | None = None,
         tls_server_name: str = "",
+        keepalive: Keepalive = DEFAULT_KEEPALIVE,
     ) -> None:
+        """``keepalive``: how the channels ping their gateway; a gateway cut off ends the calls
+        to it ``UNAVAILABLE`` within ``keepalive.timeout_s`` while they carry data, or
+        ``time_s + timeout_s``, and the next request goes to the next gateway."""
         self.addresses = parse_addresses(addresses)
         credentials = None
         if tls_ca is not None:
@@ -116,6 +121,7 @@ class GatewayClient:
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            *keepalive.channel_options(),
         ]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))

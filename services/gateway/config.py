@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.channels import Keepalive
 from common.cli_config import field
 from common.internal import InternalConfig
 from common.secret_files import read_secret_lines
@@ -91,6 +92,16 @@ class GatewayConfig:
     heartbeat_interval_s: float = field(1.0, help="how often workers should heartbeat")
     worker_expiry_s: float = field(5.0, help="drop a worker silent for this long")
     health_poll_s: float = field(1.0, help="readiness/load poll period for every known worker")
+    keepalive_s: float = field(
+        10.0,
+        help="seconds between HTTP/2 pings on the gateway's connections (to workers, and to "
+        "its own callers): a worker or client cut off ends the calls to it within "
+        "keepalive_timeout_s while a stream carries data, keepalive_s + keepalive_timeout_s "
+        "when idle (a silent worker's calls end sooner: when worker_expiry_s drops it)",
+    )
+    keepalive_timeout_s: float = field(
+        5.0, help="seconds a ping may go unanswered (and sent bytes unacknowledged)"
+    )
     # -- lifecycle (drain on SIGTERM, readiness at start-up) --
     drain_timeout_s: float = field(
         50.0,
@@ -164,6 +175,8 @@ class GatewayConfig:
         self._check_surfaces()
         if self.encoder_policy not in POLICIES or self.language_policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}")
+        if self.keepalive_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError("keepalive_s and keepalive_timeout_s must be positive")
         if self.worker_expiry_s <= self.heartbeat_interval_s:
             raise ValueError("worker_expiry_s must exceed heartbeat_interval_s")
         for name in (
@@ -186,6 +199,10 @@ class GatewayConfig:
                 f"default_max_new_tokens ({self.default_max_new_tokens}) must be in "
                 f"[1, max_new_tokens_limit ({self.max_new_tokens_limit})]"
             )
+
+    @property
+    def keepalive(self) -> Keepalive:
+        return Keepalive(self.keepalive_s, self.keepalive_timeout_s)
 
     @property
     def requires_api_key(self) -> bool:

@@ -6,7 +6,8 @@ worker would lose the streams it is still serving. ``LingeringChannel`` defers t
 ``close()`` was called, a new call is refused the way a closed channel refuses it (``ValueError``
 at once, which ``workers.py`` turns into ``WorkerGone``), and the underlying channel closes when
 the last call in flight ends (its done-callback). A worker that is really gone ends those calls
-itself (the transport fails them), so nothing lingers for long.
+itself (the transport fails them), so nothing lingers for long; one that went silent (expired:
+dead, hung or cut off) has its calls ended at once by ``abort()``.
 
 Invariant: every call started through the channel is counted once and uncounted exactly once,
 by its done-callback; the underlying channel is closed exactly once, when closing and no call
@@ -133,6 +134,16 @@ class LingeringChannel(grpc.Channel):
             self._closing = True
             close_now = self._num_calls == 0 and not self._closed
             self._closed = self._closed or close_now
+        if close_now:
+            self._inner.close()
+
+    def abort(self) -> None:
+        """Close now, ending every call in flight (``CANCELLED``, "Channel closed!"): for a
+        worker that went silent, whose calls would only stall until the transport notices."""
+        with self._lock:
+            self._closing = True
+            close_now = not self._closed
+            self._closed = True
         if close_now:
             self._inner.close()
 

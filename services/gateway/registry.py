@@ -1,9 +1,10 @@
 """The gateway's view of the pools: who is there, healthy, and how loaded.
 
 Workers either register themselves (``WorkerRegistry.Heartbeat``) and are dropped when silent
-for ``worker_expiry_s``, or come from the static list and are kept, marked unhealthy while
-their health check fails. The gateway holds one long-lived channel per worker, made on first
-sight and closed when the worker is dropped, and the stubs on it, made with the channel.
+for ``worker_expiry_s`` (their calls in flight end then: see ``_end_calls``), or come from the
+static list and are kept, marked unhealthy while their health check fails. The gateway holds
+one long-lived channel per worker, made on first sight and closed when the worker is dropped,
+and the stubs on it, made with the channel.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ class Worker:
     # What it says of its shape (``common.load_figures.descriptor``): transfer_layout (a
     # common_pb2.TransferLayout), max_prompt_tokens (encoder), max_seq_len (language).
     descriptor: dict[str, Any] = field(default_factory=dict)
+
+
+def _end_calls(channel: Any) -> None:
+    """Close a silent worker's channel now, ending its calls in flight: a worker that answers
+    nothing for ``worker_expiry_s`` (dead, hung, or its host cut off) would otherwise hold its
+    streams until the transport gives up. A channel without ``abort`` (a plain one, a test
+    double) is closed, which ends them too."""
+    abort = getattr(channel, "abort", None)
+    (abort or channel.close)()
 
 
 class WorkerRegistry:
@@ -198,7 +208,7 @@ class WorkerRegistry:
                 else:
                     dropped.append(self._workers.pop(address))
         for worker in dropped:
-            worker.channel.close()
+            _end_calls(worker.channel)
         return [w.address for w in dropped]
 
     def healthy(self, role: Role) -> list[Worker]:

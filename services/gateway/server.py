@@ -193,6 +193,7 @@ def _start_registry(
         config.max_message_mb,
         StreamCapacity(0, reserve=REGISTRY_THREADS, who="gateway registry"),
         internal_server_security(config.internal),
+        keepalive=config.keepalive,
     )
     registry_pb2_grpc.add_WorkerRegistryServicer_to_server(
         RegistryServicer(registry, config.heartbeat_interval_s), server
@@ -207,7 +208,7 @@ def serve(config: GatewayConfig) -> GatewayServer:
     registry = WorkerRegistry(
         config.worker_expiry_s,
         lambda address: LingeringChannel(
-            calls.create_channel(address, config.max_message_mb, worker_security)
+            calls.create_channel(address, config.max_message_mb, worker_security, config.keepalive)
         ),
     )
     for address in config.encoders:
@@ -242,7 +243,9 @@ def serve(config: GatewayConfig) -> GatewayServer:
         http = start_http(config, front_door, registry, keys, tls)
     started: list = []
     try:
-        server = create_server("epd-gateway", config.max_message_mb, capacity, security)
+        server = create_server(
+            "epd-gateway", config.max_message_mb, capacity, security, keepalive=config.keepalive
+        )
         gateway_pb2_grpc.add_GatewayServicer_to_server(
             GatewayServicer(config, front_door, registry), server
         )

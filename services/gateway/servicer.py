@@ -13,6 +13,7 @@ import hashlib
 
 import grpc
 
+from common.advertise import unreachable_reason
 from protos.epd.v1 import (
     common_pb2,
     gateway_pb2,
@@ -131,6 +132,9 @@ class RegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
             )
         if not request.address or ":" not in request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address must be host:port")
+        unreachable = unreachable_reason(request.address, context.peer())
+        if unreachable:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, unreachable)
         applied = self.registry.heartbeat(
             request.address,
             Role(request.role),

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from common import channels
-from common.channels import ChannelSecurity
+from common.channels import DEFAULT_KEEPALIVE, ChannelSecurity, Keepalive
 from common.drain import READINESS
 from common.load_figures import descriptor, load_figures
 from protos.epd.v1 import common_pb2, encoder_pb2, language_pb2
@@ -54,10 +54,13 @@ def _start(worker: Worker, start, request, timeout_s: float):
 
 
 def create_channel(
-    address: str, max_message_mb: int = 64, security: ChannelSecurity | None = None
+    address: str,
+    max_message_mb: int = 64,
+    security: ChannelSecurity | None = None,
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> grpc.Channel:
     """The gateway's long-lived channel to a worker (``common.channels.create_channel``)."""
-    return channels.create_channel(address, security, max_message_mb)
+    return channels.create_channel(address, security, max_message_mb, keepalive)
 
 
 def encode(

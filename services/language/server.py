@@ -78,6 +78,7 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
         capacity,
         server_security(config.worker.internal),
         work_methods=(generate, submit),
+        keepalive=config.worker.keepalive,
     )
     servicer = LanguageServicer(
         engine_thread, embedding_source, config.grpc_workers, capacity.refusal

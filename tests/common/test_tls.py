@@ -35,7 +35,7 @@ def pki(tmp_path_factory):
 
 def call(address: str, tls: ClientTLS | None) -> grpc.StatusCode:
     """Outcome of one short call to ``address`` on a fresh channel."""
-    with create_channel(address, ChannelSecurity(tls=tls), keepalive=False) as channel:
+    with create_channel(address, ChannelSecurity(tls=tls), keepalive=None) as channel:
         try:
             assert unary(channel, wait_for_ready=False) == b"ping"
         except grpc.RpcError as exc:

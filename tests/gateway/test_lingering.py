@@ -61,3 +61,23 @@ def test_an_idle_channel_closes_at_once_and_a_cancelled_call_counts_out() -> Non
     finally:
         echo.release()
         server.stop(None)
+
+
+def test_abort_ends_the_calls_in_flight_at_once() -> None:
+    """A worker that went silent: its channel is aborted, not left to linger."""
+    server, port, echo = serve_echo(max_streams=4)
+    channel = LingeringChannel(create_channel(f"127.0.0.1:{port}"))
+    try:
+        running = channel.unary_stream(STREAM)(b"go", timeout=30)
+        assert next(running) == b"started"
+        channel.abort()
+        assert channel.closed
+        with pytest.raises(grpc.RpcError) as ended:
+            list(running)
+        assert ended.value.code() == grpc.StatusCode.CANCELLED
+        with pytest.raises(ValueError, match="Channel closed"):
+            channel.unary_unary(UNARY)(b"late", timeout=5)
+        wait_until(lambda: channel.num_calls == 0)
+    finally:
+        echo.release()
+        server.stop(None)

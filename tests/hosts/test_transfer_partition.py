@@ -1,0 +1,79 @@
+"""The transfer plane alone across hosts: a sender and a receiver, each a process in a network
+namespace of its own (Mooncake tcp and ZMQ between two addresses), one of them cut off in the
+middle of a room that crawls through 128-token continuations. Both sides fail the room within
+their liveness bounds, free every block (the receiver after the quarantine of a write that may
+still land), and when the link returns a new room between the same two processes succeeds (the
+first one may fail ``transfer_timeout`` against this test's 2 s bound, once, cleanly)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bench.peer import Peer
+from common.transfer.types import RoomState
+from tests.hosts.conftest import wait_until
+from tests.transfer.conftest import layout_of, make_config, new_room
+from tests.transfer.helpers import spec
+
+TOTAL_TOKENS = 20000  # ~160 continuations through a one-block receive buffer
+
+
+@pytest.fixture
+def peers(network, monkeypatch):
+    """``(network, sender host, receiver host, sender, receiver)``, closed after the test."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "3")  # a write into the void ends after 3 s
+    made: list[Peer] = []
+    hosts = network.add_host("s"), network.add_host("r")
+    for role, host, blocks in (("sender", hosts[0], 256), ("receiver", hosts[1], 1)):
+        config = make_config(num_blocks=blocks, default_tokens=128, host=host.address)
+        made.append(Peer(role, config, layout_of(config), netns=host.netns))
+    yield network, *hosts, *made
+    for host in hosts:
+        network.restore(host)
+    for peer in made:
+        peer.close()
+
+
+def idle(peer: Peer) -> bool:
+    stats = peer.ask("call", "stats")
+    return not stats["rooms_active"] and stats["num_used_blocks"] == 0
+
+
+@pytest.mark.parametrize("cut", ["receiver", "sender"])
+def test_peer_cut_mid_continuation(peers, cut: str) -> None:
+    network, sender_host, receiver_host, sender, receiver = peers
+    room = spec(new_room(), TOTAL_TOKENS)
+    assert sender.ask("submit", room)
+    receiver.ask("call", "add_room", room.seed, sender.endpoint)
+    wait_until(
+        lambda: receiver.ask("call", "poll", room.seed) == RoomState.TRANSFERRING, 10, "mid-room"
+    )
+    cut_at = time.monotonic()
+    network.cut(receiver_host if cut == "receiver" else sender_host)
+    failed = RoomState.FAILED
+    wait_until(lambda: sender.ask("call", "poll", room.seed) == failed, 15, "sender fails")
+    wait_until(lambda: receiver.ask("call", "poll", room.seed) == failed, 15, "receiver fails")
+    failed_s = time.monotonic() - cut_at
+    wait_until(lambda: idle(sender) and idle(receiver), 30, "every block freed")
+    freed_s = time.monotonic() - cut_at
+    reasons = {**sender.ask("call", "stats")["failed_by_reason"]}
+    (done_room, reason), *more = receiver.ask("pop_outcomes", 1.0)
+    assert (done_room, more) == (room.seed, []) and reason != "ok"
+    network.restore(receiver_host if cut == "receiver" else sender_host)
+    print(f"\n{cut} cut mid-room: both sides failed it within {failed_s:.1f} s ({reasons}), "
+          f"every block free after {freed_s:.1f} s; the receiver's: {reason}")  # fmt: skip
+    assert set(reasons) <= {"receiver_dead", "transfer_timeout", "write_failed", "deadline"}
+    # NOTE: the first write after the link returned once took longer than this test's 2 s
+    # transfer timeout (the room failed `transfer_timeout`, cleanly); the next one is served
+    outcomes = []
+    for _ in range(3):
+        ok = spec(new_room(), 600)
+        assert sender.ask("submit", ok)
+        outcomes.append(receiver.ask("receive", [ok], sender.endpoint, 30.0)["rooms"][ok.seed])
+        if outcomes[-1][0] == "ok":
+            break
+    assert outcomes[-1][0] == "ok", outcomes
+    assert all(o[0] == "ok" or o.startswith("transfer_timeout") for o in outcomes), outcomes
+    wait_until(lambda: idle(sender) and idle(receiver), 30, "idle again")
