@@ -8,10 +8,12 @@ then every (workload, concurrency) cell sends its requests to each system in two
 ours, vLLM, vLLM, ours (the next cell vLLM, ours, ours, vLLM), so that drift favours neither;
 one at a time, the runs keep that order across server starts (vLLM, ours, ours, vLLM). With
 ``--aiperf`` NVIDIA's ``aiperf`` also measures each server (one fresh image, concurrency 8),
-beside our client on the same workload.
+beside our client on the same workload. The video workloads (``video_10s``, ``video_60s``,
+``repeated_video``) run when named in ``--workloads``.
 
 ``python -m bench.peers [--checkpoint demo|bench|PATH] [--dtype auto|float32|bfloat16]
-[--concurrency 1,16,64] [--workloads text,image,four_images,repeated_image] [--requests N]
+[--concurrency 1,16,64] [--workloads text,image,four_images,repeated_image,json_schema]
+[--requests N]
 [--quick] [--json] [--aiperf | --no-aiperf] [--together auto|yes|no]``; ``make bench-peers``.
 """
 
