@@ -70,6 +70,9 @@ class Worker:
     stubs: WorkerStubs | None = None  # made with the channel (``create_stubs``)
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True
+    # The last poll (or call) found it unreachable at its address or not ready: a heartbeat
+    # says it is alive, not that the gateway reaches it, so only a poll that passes clears it.
+    failed_check: bool = False
     num_unanswered_polls: int = 0  # polls in a row it did not answer in time
     in_flight: int = 0
     load: dict[str, float] = field(default_factory=dict)
@@ -142,7 +145,7 @@ class WorkerRegistry:
                 worker.info = dict(info)
             if descriptor is not None:
                 worker.descriptor = dict(descriptor)
-            worker.healthy = True
+            worker.healthy = not worker.failed_check
             worker.last_seen = self._clock()
         return True
 
@@ -170,7 +173,9 @@ class WorkerRegistry:
         """Record a readiness/load poll of a worker. ``healthy`` None: no answer in time, which
         a busy worker may also give. A self-registered worker then turns unhealthy only when
         its heartbeats stopped too (none for half its expiry: hung, not busy); a static one
-        after ``MAX_UNANSWERED_POLLS`` such polls in a row."""
+        after ``MAX_UNANSWERED_POLLS`` such polls in a row. ``healthy`` False (unreachable at
+        its advertised address, or not ready) holds until a poll passes: its heartbeats, which
+        reach the gateway from the worker's side, do not bring it back."""
         with self._lock:
             worker = self._workers.get(address)
             if worker is None:
@@ -186,6 +191,7 @@ class WorkerRegistry:
                 return
             worker.num_unanswered_polls = 0
             worker.healthy = healthy
+            worker.failed_check = not healthy
             if healthy:
                 worker.last_seen = self._clock()
                 if load is not None:

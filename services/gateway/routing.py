@@ -208,8 +208,14 @@ def worker_problems(workers: list[Worker]) -> dict[str, str]:
     for worker in workers:
         layout = transfer_layout(worker)
         partners = [w for w in healthy if w.role != worker.role]
-        if not worker.healthy:
-            problems[worker.address] = "unhealthy: failing health checks or silent"
+        if not worker.healthy and worker.failed_check:
+            problems[worker.address] = (
+                "unhealthy: its last health check failed (the gateway cannot reach its "
+                "advertised address, or it is not ready); its heartbeats alone do not bring it "
+                "back"
+            )
+        elif not worker.healthy:
+            problems[worker.address] = "unhealthy: silent (no heartbeat or poll answered)"
         elif layout is None:
             problems[worker.address] = (
                 "advertises no transfer layout (an older worker): paired with any worker of the "

@@ -23,6 +23,7 @@ from common.grpc_server import Server, create_server, start_server
 from common.stream_capacity import StreamCapacity
 from protos.epd.v1 import language_pb2
 from services.gateway.registry import MAX_UNANSWERED_POLLS, Role, WorkerRegistry
+from services.gateway.routing import worker_problems
 from services.gateway.workers import create_channel, poll
 
 SERVICE = "epd.v1.LanguageService"
@@ -100,3 +101,28 @@ def test_a_busy_worker_that_answers_late_stays_in_routing_while_it_heartbeats(
     registry.mark(static.address, poll(static, timeout_s=5.0)[0])
     assert static.healthy and static.num_unanswered_polls == 0
     registry.close()
+
+
+def test_heartbeats_do_not_bring_back_a_worker_the_gateway_cannot_reach(worker_server) -> None:
+    """A worker whose heartbeats arrive but whose advertised address the gateway cannot reach
+    (a wrong --advertise-host) stays out of routing until a poll passes, and says why."""
+    server, address = worker_server
+    server.readiness.set(True)
+    registry = WorkerRegistry(expiry_s=5.0, channel_factory=create_channel)
+    unreachable = "127.0.0.1:9"  # nothing listens there: the poll fails at once
+    for worker_address in (unreachable, address):
+        registry.heartbeat(worker_address, Role.LANGUAGE, 8, {})
+    try:
+        for worker in registry.all():
+            registry.mark(worker.address, poll(worker, timeout_s=5.0)[0])
+        for _ in range(3):  # the worker keeps heartbeating: it stays out
+            registry.heartbeat(unreachable, Role.LANGUAGE, 8, {})
+            assert [w.address for w in registry.healthy(Role.LANGUAGE)] == [address]
+        problems = worker_problems(registry.all())
+        assert "cannot reach its advertised address" in problems[unreachable]
+        assert "unhealthy" not in problems.get(address, "")
+        registry.mark(unreachable, True)  # a poll that passes brings it back
+        registry.heartbeat(unreachable, Role.LANGUAGE, 8, {})
+        assert len(registry.healthy(Role.LANGUAGE)) == 2
+    finally:
+        registry.close()
