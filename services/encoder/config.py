@@ -16,6 +16,7 @@ from common.worker import WorkerConfig
 from .aux_extra import extra_size_bound, max_images_that_fit
 
 ENV_PREFIX = "EPD_ENCODER_"
+VISION_ATTENTIONS = ("grouped", "per_piece")
 SENDERS = ("transfer", "none")
 
 
@@ -44,6 +45,12 @@ class EncoderConfig:
         help="kernel of the vision tower's linear layers: auto (onednn where it runs, else "
         "plain) | plain (F.linear, the reference) | onednn (weights prepacked once; CPU bf16 "
         "only, else it falls back to plain and logs why)",
+    )
+    vision_attention: str = field(
+        "grouped",
+        help="how the vision tower attends within each image (and window): grouped (equal-length "
+        "pieces of a batch in one SDPA call each; the same arithmetic) | per_piece "
+        "(transformers' own loop, one SDPA call per piece)",
     )
     # intake
     max_image_bytes: int = field(20 << 20, help="largest encoded image accepted, in bytes")
@@ -181,6 +188,11 @@ class EncoderConfig:
         if self.cache_mb < 0:
             raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
         check_compute_settings(self.device, self.dtype, self.linear_kernel)
+        if self.vision_attention not in VISION_ATTENTIONS:
+            raise ValueError(
+                f"vision_attention must be one of {VISION_ATTENTIONS}, "
+                f"got {self.vision_attention!r}"
+            )
         if self.sender not in SENDERS:
             raise ValueError(f"sender must be one of {SENDERS}, got {self.sender!r}")
         if not 0 <= self.port < 65536:

@@ -73,7 +73,11 @@ class EncoderPipeline:
         defaults = video_defaults(self.config, self.preprocessor.factor)
         self.videos = VideoPreprocessor(self.preprocessor, defaults)
         self.tower = VisionTower(
-            self.checkpoint, self.config.device, self.config.dtype, self.config.linear_kernel
+            self.checkpoint,
+            self.config.device,
+            self.config.dtype,
+            self.config.linear_kernel,
+            self.config.vision_attention,
         )
         # Rows leave the ViT in the deployment's wire dtype, whatever the tower computes in.
         self.rows_dtype = parse_dtype(self.config.transfer.dtype)

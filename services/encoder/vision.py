@@ -8,6 +8,7 @@ The tower is built from ``config.vision_config`` the way the full model builds i
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from common.models import checkpoint_files
 
 from .checkpoint import VISION_CLASS, Checkpoint
 from .patch_embed import patch_embed_as_linear
+from .vision_attention import use_grouped_attention
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class VisionTower:
         device: str = "auto",
         dtype: str = "auto",
         linear_kernel: str = "auto",
+        attention: str = "grouped",
     ) -> None:
         from transformers.initialization import no_init_weights
 
@@ -84,8 +87,10 @@ class VisionTower:
         self.device, self.dtype = compute.device, compute.dtype
         logger.info("vision tower on %s in %s (%s)", self.device, self.dtype, compute.reason)
         vision_cls = checkpoint.model_class(VISION_CLASS)
+        # its own copy of the configuration: the attention setting below is this tower's alone
+        vision_config = copy.deepcopy(checkpoint.config.vision_config)
         with no_init_weights():
-            module = vision_cls._from_config(checkpoint.config.vision_config, dtype=self.dtype)
+            module = vision_cls._from_config(vision_config, dtype=self.dtype)
         state = read_visual_state_dict(checkpoint.path)
         module.load_state_dict(state, strict=True)
         self.module = module.to(self.device).eval()
@@ -94,6 +99,10 @@ class VisionTower:
         )
         if self.linear_kernel == "onednn" and patch_embed_as_linear(self.module):
             logger.info("vision tower: patch embedding runs as a prepacked linear layer")
+        self.attention = "per_piece"
+        if attention == "grouped" and use_grouped_attention(self.module):
+            self.attention = "grouped"
+        logger.info("vision tower: attention %s", self.attention)
         self.row_width = checkpoint.row_width
         self.merge_size = int(checkpoint.config.vision_config.spatial_merge_size)
 

@@ -1,0 +1,69 @@
+"""The grouped vision attention (``services/encoder/vision_attention.py``) gives the rows
+transformers' per-piece attention gives, bit for bit, for every architecture and dtype: images
+of equal and unequal sizes in one batch, Qwen2.5-VL's windows, a video's frame groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.models.tiny import ARCHS
+from services.encoder.checkpoint import load_checkpoint
+from services.encoder.config import EncoderConfig
+from services.encoder.vision import VisionTower
+from services.encoder.vision_attention import grouped_attention
+
+# (t, h, w) in patches: two of one size, one of another, one odd size, a two-group video
+GRIDS = [(1, 16, 16), (1, 16, 16), (1, 8, 12), (1, 10, 6), (2, 8, 8)]
+
+
+def patches(tower: VisionTower, grids, seed: int = 0) -> torch.Tensor:
+    config = tower.module.config
+    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    rows = sum(t * h * w for t, h, w in grids)
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grouped_rows_equal_per_piece_rows(arch, dtype, model_dirs) -> None:
+    checkpoint = load_checkpoint(model_dirs[arch])
+    per_piece = VisionTower(checkpoint, "cpu", dtype, attention="per_piece")
+    grouped = VisionTower(checkpoint, "cpu", dtype, attention="grouped")
+    assert (per_piece.attention, grouped.attention) == ("per_piece", "grouped")
+    pixels = patches(grouped, GRIDS)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = {"count": 0}
+
+    def counted(*args, **kwargs):
+        calls["count"] += 1
+        return sdpa(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+        expected = per_piece.forward(pixels, GRIDS)
+        num_per_piece, calls["count"] = calls["count"], 0
+        rows = grouped.forward(pixels, GRIDS)
+    assert torch.equal(rows, expected)
+    assert calls["count"] < num_per_piece  # equal-length pieces went together
+
+
+def test_grouped_attention_is_per_piece_sdpa() -> None:
+    heads, head_dim, lengths = 3, 8, [4, 4, 4, 6, 4, 4, 2]
+    total = sum(lengths)
+    q, k, v = (torch.randn(1, heads, total, head_dim) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out, _ = grouped_attention(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
+    assert out.shape == (1, total, heads, head_dim)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        piece = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], scale=0.3
+        )
+        assert torch.equal(out[0, start:end], piece[0].transpose(0, 1))
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        grouped_attention(None, q, k, v, None)
+
+
+def test_the_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="vision_attention must be one of"):
+        EncoderConfig(vision_attention="fused")
