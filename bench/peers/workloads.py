@@ -4,7 +4,7 @@ Workloads: ``text`` (a ~40-token prompt), ``image`` (one fresh 448x448 PNG), ``f
 (four fresh ones), ``repeated_image`` (the same image in every request, fresh text) and
 ``json_schema`` (``text`` whose answer must follow a JSON schema: structured output), and the
 video ones, not in the default set: ``video_10s`` / ``video_60s`` (a fresh clip of 10 or 60
-seconds, ``videos.py``) and ``repeated_video`` (the same 10 s clip every time). Every
+seconds, ``videos.py``) and ``repeated_video`` (the same 60 s clip every time). Every
 prompt starts with a random number, and fresh images are random noise, so no prefix or image
 cache hits across requests except the repeated image's (the intended one). Images go first in
 the message (the way clients send "this picture: question"), the text after them. Bodies are
@@ -61,7 +61,7 @@ WORKLOADS = {
         Workload("json_schema", 0, structured=True),
         Workload("video_10s", 0, video_s=10),
         Workload("video_60s", 0, video_s=60),
-        Workload("repeated_video", 0, repeated=True, video_s=10),
+        Workload("repeated_video", 0, repeated=True, video_s=60),
     )
 }
 DEFAULT_WORKLOADS = tuple(name for name, w in WORKLOADS.items() if not w.video_s)

@@ -118,7 +118,7 @@ def videos_of(body: dict) -> list[bytes]:
 def test_video_workloads_send_one_clip_at_2_fps_and_only_they_do() -> None:
     import av
 
-    for name, seconds in (("video_10s", 10), ("video_60s", 60), ("repeated_video", 10)):
+    for name, seconds in (("video_10s", 10), ("video_60s", 60), ("repeated_video", 60)):
         body = make(name, 1)[0]
         (clip,) = videos_of(body)
         with av.open(io.BytesIO(clip)) as src:
