@@ -40,18 +40,26 @@ class CacheManager:
         return self.allocator.alloc(num_tokens)
 
     def admit(self, req: Request) -> None:
-        """Match the radix cache and lock the hit; at least one token is left to compute.
-        A request that still gathers prompt log-probabilities matches nothing: it computes
-        every prompt row itself."""
+        """Match the radix cache and lock the hit. With the whole prompt at least one token is
+        left to compute (its logits give the first token); of a prompt still arriving every
+        token that arrived may come from the cache (nothing is sampled before the rest), so a
+        long cached prompt delivered in chunks is matched as far as it arrived, not to its
+        first chunk. A request that still gathers prompt log-probabilities matches nothing:
+        it computes every prompt row itself."""
         key = req.radix_key()
-        num_key = 0 if req.wants_prompt_logprobs else len(key) - 1
+        if req.wants_prompt_logprobs:
+            num_key = 0
+        else:
+            num_key = len(key) - 1 if req.prompt_complete else len(key)
         match = self.cache.match_prefix(key[:num_key])
         self.cache.lock(match.node)
         req.tree_node, req.num_tree = match.node, match.num_matched
         req.slots, req.num_computed = match.slots.clone(), match.num_matched
-        if req.num_cached_tokens == 0 and not req.output_ids:
-            req.num_cached_tokens = match.num_matched
-            self.num_hit_tokens += match.num_matched
+
+    def count_hit(self, req: Request) -> None:
+        """``req`` was admitted for the first time: its matched prefix is its cache hit."""
+        req.num_cached_tokens = req.num_tree
+        self.num_hit_tokens += req.num_tree
 
     def extend(self, req: Request, new_slots: torch.Tensor) -> None:
         req.slots = torch.cat([req.slots, new_slots])

@@ -131,8 +131,9 @@ class Scheduler:
             self.cm.release(req)
             return False
         req.status = RequestStatus.PREFILL
-        if not req.prefill_start_time:
+        if not req.prefill_start_time:  # its first admission (not a preempted one's return)
             req.prefill_start_time = time.monotonic()
+            self.cm.count_hit(req)
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
