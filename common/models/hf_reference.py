@@ -85,21 +85,25 @@ class HFReference:
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-        pixel_values = grid_thw = None
-        if images:
-            out = self.image_processor(
-                images=[im.convert("RGB") for im in images], return_tensors="pt"
-            )
-            pixel_values, grid_thw = out["pixel_values"], out["image_grid_thw"]
-            merge = self.image_processor.merge_size**2
-            pieces = text.split("<|image_pad|>")
-            assert len(pieces) == len(images) + 1, "one image placeholder per image"
-            text = pieces[0]
-            for thw, piece in zip(grid_thw, pieces[1:], strict=True):
-                text += "<|image_pad|>" * (int(thw.prod()) // merge) + piece
+        text, pixel_values, grid_thw = self._with_images(text, images)
         ids = self.tokenizer(text, return_tensors="pt").input_ids
         mm = (ids == self.config.image_token_id).long()
         return ReferenceInputs(ids, mm, pixel_values, grid_thw)
+
+    def _with_images(self, text: str, images: list[Image.Image]):
+        """``text`` with each image placeholder repeated once per image token, and the
+        images' ``pixel_values`` and ``image_grid_thw`` (None, None without images)."""
+        if not images:
+            return text, None, None
+        out = self.image_processor(images=[im.convert("RGB") for im in images], return_tensors="pt")
+        pixel_values, grid_thw = out["pixel_values"], out["image_grid_thw"]
+        merge = self.image_processor.merge_size**2
+        pieces = text.split("<|image_pad|>")
+        assert len(pieces) == len(images) + 1, "one image placeholder per image"
+        text = pieces[0]
+        for thw, piece in zip(grid_thw, pieces[1:], strict=True):
+            text += "<|image_pad|>" * (int(thw.prod()) // merge) + piece
+        return text, pixel_values, grid_thw
 
     def build_video_inputs(
         self, messages: list[dict], images: list[Image.Image], video: bytes, spec
@@ -122,17 +126,7 @@ class HFReference:
             self.image_processor.merge_size,
             timestamps=self.config.model_type == "qwen3_vl",
         )
-        pixel_values = grid_thw = None
-        if images:
-            out = self.image_processor(
-                images=[im.convert("RGB") for im in images], return_tensors="pt"
-            )
-            pixel_values, grid_thw = out["pixel_values"], out["image_grid_thw"]
-            merge = self.image_processor.merge_size**2
-            pieces = text.split("<|image_pad|>")
-            text = pieces[0]
-            for thw, piece in zip(grid_thw, pieces[1:], strict=True):
-                text += "<|image_pad|>" * (int(thw.prod()) // merge) + piece
+        text, pixel_values, grid_thw = self._with_images(text, images)
         ids = self.tokenizer(text, return_tensors="pt").input_ids
         video_kwargs = {
             "pixel_values_videos": ref.pixel_values_videos,
