@@ -38,6 +38,7 @@ from common.sampling_bounds import (
 )
 from protos.epd.v1 import gateway_pb2
 from services.gateway.errors import GatewayError
+from services.gateway.media_sources import base64_chars, validate_source
 from services.gateway.video_validation import validate_video
 
 ROLES_ALLOWED = ("system", "user", "assistant", "tool")
@@ -46,7 +47,6 @@ MAX_TEMPERATURE = 100.0
 # (logits / 1e-45 overflows to inf); the language worker clamps such values, the gateway refuses
 # them so the caller learns that 0 is the way to ask for greedy decoding.
 MIN_POSITIVE_TEMPERATURE = 1e-2
-DATA_URL_PREFIX_CHARS = 256  # room for "data:image/png;base64," and the like
 MAX_TOP_LOGPROBS = 20  # most likely tokens per step a request may ask for (as other APIs)
 MAX_STRUCTURED_CHARS = 1 << 16  # a structured output's schema, regex or grammar, at most
 MAX_CHOICES = 256  # strings a structured output's choice may list
@@ -81,10 +81,8 @@ class RequestLimits:
 
     @property
     def max_base64_chars(self) -> int:
-        """The base64 text of a ``max_image_bytes`` image, with MIME line breaks (2 characters
-        per 76) and a data-URL prefix."""
-        chars = 4 * math.ceil(self.max_image_bytes / 3)
-        return chars + 2 * math.ceil(chars / 76) + DATA_URL_PREFIX_CHARS
+        """The base64 text of a ``max_image_bytes`` image (``media_sources.base64_chars``)."""
+        return base64_chars(self.max_image_bytes)
 
 
 def _float32(value: float) -> float:
@@ -273,24 +271,7 @@ def _validate_tools(request: gateway_pb2.GenerateRequest) -> None:
 
 
 def _validate_image(image, where: str, limits: RequestLimits) -> None:
-    source = image.WhichOneof("source")
-    if source is None:
-        raise invalid(f"{where} has no source (set data, base64, path or url)")
-    value = getattr(image, source)
-    if not value:
-        raise invalid(f"{where}.{source} is empty")
-    if source == "data":
-        bound, unit = limits.max_image_bytes, "bytes"
-    elif source == "base64":
-        bound, unit = limits.max_base64_chars, "characters"
-    else:
-        bound, unit = limits.max_image_ref_chars, "characters"
-        if "\x00" in value:
-            raise invalid(f"{where}.{source} must not contain NUL characters")
-    if len(value) > bound:
-        raise invalid(
-            f"{where}.{source} is {len(value)} {unit}, more than the limit of {bound} {unit}"
-        )
+    validate_source(image, where, limits.max_image_bytes, limits.max_image_ref_chars, invalid)
 
 
 def _validate_structured(so) -> None:
