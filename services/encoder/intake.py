@@ -40,15 +40,21 @@ class OpenedImage:
         return self.image.height
 
 
+def source_policy(config: EncoderConfig, max_bytes: int, noun: str) -> SourcePolicy:
+    """Where a media part may come from (the encoder's settings) and how large it may be."""
+    return SourcePolicy(
+        max_bytes=max_bytes,
+        allowed_dirs=config.allowed_dirs,
+        allow_urls=config.allow_urls,
+        allow_private_urls=config.allow_private_urls,
+        url_timeout_s=config.url_timeout_s,
+        noun=noun,
+    )
+
+
 class ImageIntake:
     def __init__(self, config: EncoderConfig) -> None:
-        self.policy = SourcePolicy(
-            max_bytes=config.max_image_bytes,
-            allowed_dirs=config.allowed_dirs,
-            allow_urls=config.allow_urls,
-            allow_private_urls=config.allow_private_urls,
-            url_timeout_s=config.url_timeout_s,
-        )
+        self.policy = source_policy(config, config.max_image_bytes, "image")
         self.limits = DecodeLimits(
             max_pixels=config.max_image_pixels,
             min_side=config.min_image_side,
@@ -90,14 +96,7 @@ class VideoIntake:
     byte limit, then ``probe_video``'s header and packet checks."""
 
     def __init__(self, config: EncoderConfig) -> None:
-        self.policy = SourcePolicy(
-            max_bytes=config.max_video_bytes,
-            allowed_dirs=config.allowed_dirs,
-            allow_urls=config.allow_urls,
-            allow_private_urls=config.allow_private_urls,
-            url_timeout_s=config.url_timeout_s,
-            noun="video",
-        )
+        self.policy = source_policy(config, config.max_video_bytes, "video")
         self.limits = VideoLimits(
             max_seconds=config.max_video_seconds,
             max_frames=config.max_video_source_frames,
