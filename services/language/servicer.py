@@ -10,7 +10,8 @@ same statuses; its deadline is its ``timeout_s``); the session's end aborts what
 Errors before the first token end the call with a status:
 ``INVALID_ARGUMENT`` (bad sampling, messages or a prompt over ``max_seq_len``, naming the
 field and its bound), ``DEADLINE_EXCEEDED`` (the prompt did not arrive in time),
-``RESOURCE_EXHAUSTED``, ``ALREADY_EXISTS``, ``UNAVAILABLE``; a request that fails while being
+``RESOURCE_EXHAUSTED``, ``ALREADY_EXISTS``, ``UNAVAILABLE`` (in a session: ``Submit``'s status,
+or the request's last chunk carrying it in ``status_code``); a request that fails while being
 served ends with a chunk whose finish reason is ``ERROR`` and whose ``error`` says why.
 """
 
