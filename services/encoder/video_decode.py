@@ -21,8 +21,9 @@ files or URLs a crafted "video" names.
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -64,8 +65,7 @@ class VideoHeader:
 
 def probe_video(data: bytes, limits: VideoLimits) -> VideoHeader:
     """The header facts of ``data`` once they passed ``limits`` (no frame decoded)."""
-    container = _open(data)
-    try:
+    with _reading(data) as container:
         if len(container.streams) > limits.max_streams:
             raise InvalidInput(
                 f"video container has {len(container.streams)} streams; "
@@ -96,12 +96,6 @@ def probe_video(data: bytes, limits: VideoLimits) -> VideoHeader:
             raise InvalidInput(f"video has {declared} frames; the limit is {limits.max_frames}")
         num_frames = _count_packets(container, stream, limits.max_frames)
         codec = ctx.name
-    except InvalidInput:
-        raise
-    except UNREADABLE as exc:
-        raise InvalidInput(f"corrupt or truncated video ({_why(exc)})") from None
-    finally:
-        container.close()
     if num_frames == 0:
         raise InvalidInput("video stream holds no frames")
     if declared and declared != num_frames:
@@ -128,8 +122,7 @@ def decode_frames(
     if not wanted:
         return
     todo = sorted(set(wanted))
-    container = _open(data)
-    try:
+    with _reading(data) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         index, pos = 0, 0
@@ -145,16 +138,25 @@ def decode_frames(
                 if pos == len(todo):
                     return
             index += 1
+    raise InvalidInput(
+        f"video decoded to {index} frames, fewer than its {header.num_frames} packets "
+        "(corrupt or truncated)"
+    )
+
+
+@contextlib.contextmanager
+def _reading(data: bytes) -> Iterator:
+    """The container of ``data``, open for the ``with`` block and closed after it; a read that
+    fails inside the block is an ``InvalidInput`` (corrupt or truncated)."""
+    container = _open(data)
+    try:
+        yield container
     except InvalidInput:
         raise
     except UNREADABLE as exc:
         raise InvalidInput(f"corrupt or truncated video ({_why(exc)})") from None
     finally:
         container.close()
-    raise InvalidInput(
-        f"video decoded to {index} frames, fewer than its {header.num_frames} packets "
-        "(corrupt or truncated)"
-    )
 
 
 def _open(data: bytes):
