@@ -292,6 +292,15 @@ def _call(raw: Any, where: str) -> common_pb2.ToolCall:
     )
 
 
+def _media_url(raw: dict, where: str, kind: str) -> str:
+    """The string ``url`` of an ``image_url`` / ``video_url`` part (``kind``)."""
+    media = raw.get(kind)
+    url = media.get("url") if isinstance(media, dict) else None
+    if not isinstance(url, str):
+        raise invalid(f"{where}.{kind} must be an object with a string url", f"{where}.{kind}")
+    return url
+
+
 def _part(raw: Any, where: str) -> common_pb2.ContentPart:
     if not isinstance(raw, dict):
         raise invalid(f"{where} must be an object with a type", where)
@@ -302,20 +311,10 @@ def _part(raw: Any, where: str) -> common_pb2.ContentPart:
             raise invalid(f"{where}.text must be a string", f"{where}.text")
         return common_pb2.ContentPart(text=text)
     if kind == "image_url":
-        image_url = raw.get("image_url")
-        url = image_url.get("url") if isinstance(image_url, dict) else None
-        if not isinstance(url, str):
-            raise invalid(
-                f"{where}.image_url must be an object with a string url", f"{where}.image_url"
-            )
+        url = _media_url(raw, where, kind)
         return common_pb2.ContentPart(image=image_source(url, f"{where}.image_url.url"))
     if kind == "video_url":
-        video_url = raw.get("video_url")
-        url = video_url.get("url") if isinstance(video_url, dict) else None
-        if not isinstance(url, str):
-            raise invalid(
-                f"{where}.video_url must be an object with a string url", f"{where}.video_url"
-            )
+        url = _media_url(raw, where, kind)
         source = image_source(url, f"{where}.video_url.url", "video", "video/mp4")
         return common_pb2.ContentPart(video=common_pb2.VideoPart(source=source))
     raise invalid(
