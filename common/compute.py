@@ -14,7 +14,9 @@ The choice and its reason are returned together so the service logs why it chose
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,3 +113,18 @@ def set_compute_threads(num_threads: int) -> int:
     if num_threads:
         torch.set_num_threads(num_threads)
     return torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def intra_op_threads(num_threads: int) -> Iterator[None]:
+    """Run the block's torch operators on ``num_threads`` intra-op threads (this thread's
+    setting only: OpenMP keeps one per calling thread), then restore the previous number."""
+    before = torch.get_num_threads()
+    if num_threads == before:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

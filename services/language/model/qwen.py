@@ -1,16 +1,33 @@
-"""The Qwen-VL text decoder: embeddings + image rows, decoder layers, deepstack, LM head."""
+"""The Qwen-VL text decoder: embeddings + image rows, decoder layers, deepstack, LM head.
+
+Threads: on a CPU, a step whose decoder-layer work is small (a decode batch of a small model:
+a few MFLOP per layer, weights that sit in cache) runs its decoder layers on one intra-op thread
+and only the LM head on all of them. Each operator run on several OpenMP threads wakes the
+sleeping ones (the serving processes set ``OMP_WAIT_POLICY=PASSIVE``), which costs more than
+such an operator's work: a [16, 256] x [256, 512] bf16 linear takes 50 us on one thread and
+150 us on two. Greedy tokens are the same either way (tested); torch's CPU attention kernel
+may round a log-probability's last bits differently on another number of threads.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
+from common.compute import intra_op_threads
 from common.linear_kernels import PackedLinear, use_linear_kernel
 from services.language.kvcache.pool import KVPool
 from services.language.model.batch import ForwardBatch
 from services.language.model.config import TextModelConfig
 from services.language.model.layers import DecoderLayer, RMSNorm
 from services.language.model.rope import MRotaryEmbedding
+
+# Below both, a step's decoder layers run on one thread (see the module doc; measured with
+# passive OpenMP threads on 2 cores: one thread wins up to ~150 MFLOP per layer, two from ~300).
+SINGLE_THREAD_LAYER_FLOPS = 200e6
+SINGLE_THREAD_LAYER_BYTES = 8 << 20
 
 
 class QwenTextModel(nn.Module):
@@ -26,6 +43,22 @@ class QwenTextModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope
+
+    def layer_threads(self, num_rows: int) -> int:
+        """Intra-op threads for the decoder layers of a step of ``num_rows`` rows: one when
+        its work per layer is small (see the module doc), else this thread's setting."""
+        threads = torch.get_num_threads()
+        if threads == 1 or self.embed_tokens.weight.device.type != "cpu":
+            return threads
+        params, nbytes = self._layer_size
+        small = 2 * num_rows * params < SINGLE_THREAD_LAYER_FLOPS
+        return 1 if small and nbytes < SINGLE_THREAD_LAYER_BYTES else threads
+
+    @functools.cached_property
+    def _layer_size(self) -> tuple[int, int]:
+        """(weights, bytes) of one decoder layer, as the step runs it (after packing)."""
+        tensors = [*self.layers[0].parameters(), *self.layers[0].buffers()]  # packed: buffers
+        return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
 
     def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Text rows from the embedding table; image rows scattered at image tokens.
@@ -47,14 +80,15 @@ class QwenTextModel(nn.Module):
     def hidden_states(self, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
         """The last decoder layer's output [T, hidden] of every row (before the final norm)."""
         hidden = self.config.hidden_size
-        h, image_mask = self.embed(batch)
-        cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch, kv_pool)
-            if image_mask is not None and i < self.config.num_deepstack:
-                # NOTE: deepstack row i is added after decoder layer i, as in transformers.
-                extra = batch.image_rows[:, (i + 1) * hidden : (i + 2) * hidden]
-                h[image_mask] = h[image_mask] + extra.to(h.dtype)
+        with intra_op_threads(self.layer_threads(batch.num_tokens)):
+            h, image_mask = self.embed(batch)
+            cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cos, sin, batch, kv_pool)
+                if image_mask is not None and i < self.config.num_deepstack:
+                    # NOTE: deepstack row i is added after decoder layer i, as in transformers.
+                    extra = batch.image_rows[:, (i + 1) * hidden : (i + 2) * hidden]
+                    h[image_mask] = h[image_mask] + extra.to(h.dtype)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
