@@ -76,12 +76,12 @@ def test_guide_reads_its_mask_as_a_plain_reference_does():
     mask = bytes(rng.integers(0, 256, 9, dtype=np.uint8))
     with ThreadPoolExecutor(1) as pool:
         guide = Guide(_Known(mask), pool)
-        row = torch.tensor(rng.normal(size=vocab), dtype=torch.float32)
-        constrained = guide.constrain(row.clone())
+        mask_of_guide = guide.allowed(vocab)
+        assert mask_of_guide.dtype == torch.bool and mask_of_guide.shape == (vocab,)
         for t in range(vocab):
             allowed = (mask[t // 8] >> (t % 8)) & 1
             assert guide.allows(t) == bool(allowed)
-            assert constrained[t].item() == (row[t].item() if allowed else float("-inf"))
+            assert mask_of_guide[t].item() == bool(allowed)
         assert not guide.allows(9 * 8)  # past the mask
 
 
@@ -101,6 +101,34 @@ def test_sampler_keeps_an_allowed_maximum_and_otherwise_draws_within_the_languag
         nothing = Guide(_Known(bytes(2)), pool)
         (error,) = sample(logits[:1], [greedy], [nothing])
         assert isinstance(error, NoAllowedTokenError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_with_forbidden_maxima_take_the_allowed_maximum_row_by_row(dtype):
+    """The batched masked reduction against the plain one-row-at-a-time computation: the first
+    maximum of the float32 row with its forbidden tokens at -inf."""
+    rng = np.random.default_rng(3)
+    vocab, num_rows = 300, 6
+    logits = torch.tensor(rng.normal(size=(num_rows, vocab)), dtype=dtype)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first one wins
+    logits[2, 3] = logits[2, 7] + 1  # its maximum, forbidden below
+    logits[4, :] = float("-inf")
+    logits[4, 0] = 1.0  # its only finite token is forbidden below
+    masks = [bytes(rng.integers(0, 256, (vocab + 7) // 8, dtype=np.uint8)) for _ in logits]
+    masks[2] = bytes([0b10000000, 0b10]) + bytes(len(masks[2]) - 2)  # tokens 7 and 9
+    masks[4] = bytes([0b11111110]) + masks[4][1:]
+    with ThreadPoolExecutor(1) as pool:
+        guides = [Guide(_Known(m), pool) for m in masks]
+        greedy = SamplerState.create(SamplingParams())
+        tokens = sample(logits, [greedy] * num_rows, guides)
+    for row, mask, token in zip(logits, masks, tokens, strict=True):
+        allowed = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little", count=vocab)
+        masked = row.float().masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
+        if masked.max() == float("-inf"):
+            assert isinstance(token, NoAllowedTokenError)
+        else:
+            assert token == int(masked.argmax())
+    assert tokens[2] == 7
 
 
 def test_every_kind_of_language(engine):

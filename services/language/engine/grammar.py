@@ -5,7 +5,7 @@ strings, or a Lark / GBNF grammar) gets a ``Guide``: an llguidance matcher over 
 tokenizer, advanced by every token the request generates. The sampler (``sampling.sample``) asks
 it before each draw: a greedy row keeps the batch's row maximum when the language allows that
 token (one bit to read: the common case, e.g. inside a JSON string), and otherwise, like every
-sampled row, draws from its row with the forbidden tokens at -inf (``Guide.constrain``). The
+sampled row, draws from its row with the forbidden tokens at -inf (``Guide.allowed``). The
 request ends with ``STOP`` once the language allows nothing more.
 
 The masks of the next tokens are computed on the ``Grammars`` worker thread, one job per step
@@ -105,11 +105,11 @@ class Guide:
         bits = self._mask()
         return token >> 3 < len(bits) and bool(bits[token >> 3] >> (token & 7) & 1)
 
-    def constrain(self, row: torch.Tensor) -> torch.Tensor:
-        """A copy of ``row`` [vocab] (CPU) with every token that may not come next at -inf."""
+    def allowed(self, vocab: int) -> torch.Tensor:
+        """Which of the ``vocab`` tokens may come next: bool ``[vocab]`` (CPU)."""
         mask = np.frombuffer(self._mask(), dtype=np.uint8)
-        allowed = np.unpackbits(mask, bitorder="little", count=row.shape[0])
-        return row.masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
+        bits = np.unpackbits(mask, bitorder="little", count=vocab)
+        return torch.from_numpy(bits.view(np.bool_))
 
     def advance(self, token: int) -> bool:
         """Take the sampled ``token``; returns whether the language is complete (nothing

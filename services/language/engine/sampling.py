@@ -262,7 +262,9 @@ class Constraint(Protocol):
 
     def allows(self, token: int) -> bool: ...
 
-    def constrain(self, row: torch.Tensor) -> torch.Tensor: ...
+    def allowed(self, vocab: int) -> torch.Tensor:
+        """bool ``[vocab]`` (CPU): True where the token may come next."""
+        ...
 
 
 class NoAllowedTokenError(ValueError):
@@ -280,35 +282,59 @@ def sample(
     Greedy rows need only the row maxima: one reduction on the logits' device, and only
     ``[S]`` values move to the CPU; a constrained greedy row keeps its maximum when the
     constraint allows it (the first maximum of the whole row is then the first of the allowed
-    ones). A row is copied over (as float32) only to be sampled or constrained. A row's failure
-    (a NaN or +inf logit, no allowed token, a sampler error) is that request's alone: the other
-    rows are sampled as usual.
+    ones); the greedy rows whose maximum their constraint forbids take the maximum of the
+    allowed tokens, all such rows in one masked reduction. A row is copied over (as float32)
+    only to be sampled. A row's failure (a NaN or +inf logit, no allowed token, a sampler
+    error) is that request's alone: the other rows are sampled as usual.
     """
     best_values, best = row_max(logits)
     finite = torch.isfinite(best_values).tolist()
     greedy = best.tolist()
-    out: list[int | Exception] = []
+    out: list[int | Exception | None] = []  # None: a greedy row whose maximum is forbidden
     for i, (state, ok, token) in enumerate(zip(states, finite, greedy, strict=True)):
         constraint = constraints[i] if constraints else None
         if not ok:
             out.append(NonFiniteLogitsError("the model produced non-finite logits (NaN or +inf)"))
         elif state.params.temperature == 0 and (constraint is None or constraint.allows(token)):
             out.append(token)
+        elif state.params.temperature == 0:
+            out.append(None)
         else:
             try:
                 out.append(_draw(logits[i].float().cpu(), state, constraint))
             except Exception as exc:  # isolated to this request
                 out.append(exc)
+    forbidden_max = [i for i, token in enumerate(out) if token is None]
+    if forbidden_max:
+        allowed = [constraints[i].allowed(logits.shape[-1]) for i in forbidden_max]
+        tokens = _allowed_max(logits, forbidden_max, allowed)
+        for i, token in zip(forbidden_max, tokens, strict=True):
+            out[i] = token
     return out
+
+
+def _allowed_max(
+    logits: torch.Tensor, rows: list[int], allowed: list[torch.Tensor]
+) -> list[int | Exception]:
+    """The first maximum among the ``allowed`` tokens of each of ``rows`` of ``logits``, in one
+    masked reduction (``NoAllowedTokenError`` for a row whose allowed logits are all -inf)."""
+    index = torch.tensor(rows, device=logits.device)
+    mask = torch.stack(allowed).to(logits.device)
+    values, tokens = row_max(logits.index_select(0, index).masked_fill_(~mask, float("-inf")))
+    return [
+        token if value != float("-inf") else NoAllowedTokenError(NO_ALLOWED_TOKEN)
+        for value, token in zip(values.tolist(), tokens.tolist(), strict=True)
+    ]
+
+
+NO_ALLOWED_TOKEN = "no token the structured output allows has a finite logit"
 
 
 def _draw(row: torch.Tensor, state: SamplerState, constraint: Constraint | None) -> int:
     if constraint is not None:
-        row = constraint.constrain(row)
+        row = row.masked_fill(~constraint.allowed(row.shape[0]), float("-inf"))
         if row.max() == float("-inf"):
-            raise NoAllowedTokenError("no token the structured output allows has a finite logit")
-        if state.params.temperature == 0:
-            return int(row.argmax())
+            raise NoAllowedTokenError(NO_ALLOWED_TOKEN)
     return state.sample(row)
 
 
