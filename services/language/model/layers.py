@@ -26,21 +26,42 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def split_rows(fused: nn.Linear, parts: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The separate projections ``fused`` stacks (``parts``: name -> output rows, in order) as
+    views of its weight and bias rows, named as a checkpoint stores them
+    (``{"q_proj.weight": ..., "q_proj.bias": ...}``): loading into the views fills ``fused``."""
+    views, start = {}, 0
+    for name, rows in parts.items():
+        views[f"{name}.weight"] = fused.weight[start : start + rows]
+        if fused.bias is not None:
+            views[f"{name}.bias"] = fused.bias[start : start + rows]
+        start += rows
+    return views
+
+
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; gate and up are one linear layer
+    (``gate_up_proj``: the gate's rows, then the up's), one matrix product instead of two."""
 
     def __init__(self, config: TextModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        hidden, self.intermediate_size = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Linear(hidden, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+    def checkpoint_views(self) -> tuple[str, dict[str, torch.Tensor]]:
+        """The fused layer's name and the checkpoint's separate projections as its views."""
+        size = self.intermediate_size
+        return "gate_up_proj", split_rows(self.gate_up_proj, {"gate_proj": size, "up_proj": size})
 
 
 class Attention(nn.Module):
-    """GQA self-attention; Qwen3 normalises each q/k head before RoPE."""
+    """GQA self-attention; Qwen3 normalises each q/k head before RoPE. The q, k and v
+    projections are one linear layer (``qkv_proj``: q's rows, k's, v's)."""
 
     def __init__(self, config: TextModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -49,9 +70,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -68,9 +89,10 @@ class Attention(nn.Module):
         kv_pool: KVPool,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -79,6 +101,11 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, batch.out_slots, v)
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
+
+    def checkpoint_views(self) -> tuple[str, dict[str, torch.Tensor]]:
+        """The fused layer's name and the checkpoint's separate projections as its views."""
+        parts = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
+        return "qkv_proj", split_rows(self.qkv_proj, parts)
 
 
 class DecoderLayer(nn.Module):

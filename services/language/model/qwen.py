@@ -98,6 +98,20 @@ class QwenTextModel(nn.Module):
             return nn.functional.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)
 
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        """Where each of the checkpoint's text tensors goes, by its name there (model prefix
+        stripped): the parameters, and for the projections the checkpoint stores apart
+        (q / k / v, gate / up) views of the fused layer that holds them."""
+        targets = dict(self.named_parameters())
+        for i, layer in enumerate(self.layers):
+            for name, module in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+                fused, views = module.checkpoint_views()
+                prefix = f"layers.{i}.{name}."
+                for key in [k for k in targets if k.startswith(f"{prefix}{fused}.")]:
+                    del targets[key]
+                targets.update((prefix + key, view) for key, view in views.items())
+        return targets
+
     def use_linear_kernel(self, kernel: str) -> str:
         """Give every linear layer, the LM head included, the kernel ``kernel`` resolves to
         (see ``common/linear_kernels.py``); returns the one that runs."""

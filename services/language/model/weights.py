@@ -63,7 +63,7 @@ def load_text_model(
     model = model.to(dtype=dtype).to_empty(device=device)
     try:
         stats = copy_into(
-            dict(model.named_parameters()), model_path, text_param_name, ignore_unknown=True
+            model.checkpoint_targets(), model_path, text_param_name, ignore_unknown=True
         )
     except ValueError as exc:
         raise ValueError(f"text weights: {exc}") from None
