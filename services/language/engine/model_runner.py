@@ -125,8 +125,9 @@ class ModelRunner:
         padded = firsts[:, None].expand(-1, max_len).clone()
         real = torch.arange(max_len)[None, :] >= (max_len - lens)[:, None]
         padded[real] = flat  # the row-major order of ``real`` is the order of ``flat``
+        bias = torch.zeros(real.shape, dtype=self.dtype).masked_fill_(~real, float("-inf"))
         return DecodeGroup(
-            kv_slots=padded.to(self.device), kv_mask=real[:, None, None, :].to(self.device)
+            kv_slots=padded.to(self.device), kv_bias=bias[:, None, None, :].to(self.device)
         )
 
     @torch.inference_mode()

@@ -2,9 +2,10 @@
 
 Prefill chunks attend causally with an offset: query ``i`` of a chunk that follows
 ``prefix_len`` cached tokens sees keys ``0 .. prefix_len + i``. Decode tokens see all their
-keys; they are padded into one call with a key mask. A decode query is one token, so the
-``heads / kv_heads`` query heads that share a KV head are laid out as that head's query rows:
-SDPA then reads each K/V head once instead of a copy repeated per query head (GQA).
+keys; they are padded into one call with an additive key mask (-inf at the pads). A decode
+query is one token, so the ``heads / kv_heads`` query heads that share a KV head are laid out
+as that head's query rows: SDPA then reads each K/V head once instead of a copy repeated per
+query head (GQA).
 """
 
 from __future__ import annotations
@@ -50,6 +51,6 @@ def paged_attention(
         flat = batch.decode.kv_slots.view(-1)
         k = k_cache.index_select(0, flat).view(num, max_len, kv_heads, head_dim).transpose(1, 2)
         v = v_cache.index_select(0, flat).view(num, max_len, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode.kv_mask, scale=scale)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode.kv_bias, scale=scale)
         out[:num] = o.reshape(num, -1, head_dim)
     return out

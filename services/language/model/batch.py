@@ -27,7 +27,9 @@ class DecodeGroup:
     the first ``B`` rows of the flat batch, so queries and outputs are slices, not gathers."""
 
     kv_slots: torch.Tensor  # long [B, max_kv_len], padded with each request's own first slot
-    kv_mask: torch.Tensor  # bool [B, 1, 1, max_kv_len]: True at real keys
+    # [B, 1, 1, max_kv_len] in the model's dtype, added to the scores: 0 at real keys, -inf at
+    # pads (made once per step; a bool mask is converted to this by every attention call)
+    kv_bias: torch.Tensor
 
     @property
     def num_rows(self) -> int:
