@@ -97,7 +97,13 @@ def test_bf16_everywhere_matches_reference_logprobs(tiny_model_dir, stack_factor
     ref = HFReference(model_dir, dtype=torch.bfloat16)
     image = noise_image(22, 112, 84)
     inputs = ref.build_inputs(PROMPT, [image])
-    stack, reply = ask_bf16_encoder(stack_factory, model_dir, image, language_dtype="bfloat16")
+    # NOTE: the plain kernel, as above: the onednn tower's patch embedding sums in another order
+    # than the reference's convolution, and on a CPU without AMX (AVX-512 BF16 only) that alone
+    # moved the first step's log-probabilities by 0.047 on this tiny model (0 with the plain
+    # kernel). The onednn rows have their own bound in tests/encoder/test_encoder_dtype.py.
+    stack, reply = ask_bf16_encoder(
+        stack_factory, model_dir, image, language_dtype="bfloat16", encoder_kernel="plain"
+    )
     assert list(reply.token_ids) == ref.generate(inputs, MAX_TOKENS)  # same arithmetic here
     compare(reply, ref.next_token_logprobs(inputs), BF16_LOGPROB_TOL)
     stack.wait_no_leaks()
