@@ -51,3 +51,9 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.fill_ids.shape[0])
+
+    @property
+    def num_keys(self) -> int:
+        """Cached keys the step's attention reads, the decode group's padding included."""
+        keys = sum(int(seg.kv_slots.shape[0]) for seg in self.extends)
+        return keys + (int(self.decode.kv_slots.numel()) if self.decode is not None else 0)

@@ -24,10 +24,12 @@ from services.language.model.config import TextModelConfig
 from services.language.model.layers import DecoderLayer, RMSNorm
 from services.language.model.rope import MRotaryEmbedding
 
-# Below both, a step's decoder layers run on one thread (see the module doc; measured with
-# passive OpenMP threads on 2 cores: one thread wins up to ~150 MFLOP per layer, two from ~300).
+# Below all three, a step's decoder layers run on one thread (see the module doc; measured with
+# passive OpenMP threads on 2 cores: one thread wins up to ~150 MFLOP per layer, two from ~300;
+# a decode step attending to 8,700 cached keys took 21 ms on one thread against 16 on two).
 SINGLE_THREAD_LAYER_FLOPS = 200e6
 SINGLE_THREAD_LAYER_BYTES = 8 << 20
+SINGLE_THREAD_KEYS = 4096  # cached keys the step's attention reads, padding included
 
 
 class QwenTextModel(nn.Module):
@@ -44,14 +46,15 @@ class QwenTextModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope
 
-    def layer_threads(self, num_rows: int) -> int:
-        """Intra-op threads for the decoder layers of a step of ``num_rows`` rows: one when
-        its work per layer is small (see the module doc), else this thread's setting."""
+    def layer_threads(self, num_rows: int, num_keys: int) -> int:
+        """Intra-op threads for the decoder layers of a step of ``num_rows`` rows whose
+        attention reads ``num_keys`` cached keys: one when its work per layer is small (see the
+        module doc), else this thread's setting."""
         threads = torch.get_num_threads()
         if threads == 1 or self.embed_tokens.weight.device.type != "cpu":
             return threads
         params, nbytes = self._layer_size
-        small = 2 * num_rows * params < SINGLE_THREAD_LAYER_FLOPS
+        small = 2 * num_rows * params < SINGLE_THREAD_LAYER_FLOPS and num_keys < SINGLE_THREAD_KEYS
         return 1 if small and nbytes < SINGLE_THREAD_LAYER_BYTES else threads
 
     @functools.cached_property
@@ -80,7 +83,7 @@ class QwenTextModel(nn.Module):
     def hidden_states(self, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
         """The last decoder layer's output [T, hidden] of every row (before the final norm)."""
         hidden = self.config.hidden_size
-        with intra_op_threads(self.layer_threads(batch.num_tokens)):
+        with intra_op_threads(self.layer_threads(batch.num_tokens, batch.num_keys)):
             h, image_mask = self.embed(batch)
             cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
             for i, layer in enumerate(self.layers):
