@@ -313,6 +313,9 @@ def sample(
     return out
 
 
+NO_ALLOWED_TOKEN = "no token the structured output allows has a finite logit"
+
+
 def _allowed_max(
     logits: torch.Tensor, rows: list[int], allowed: list[torch.Tensor]
 ) -> list[int | Exception]:
@@ -325,9 +328,6 @@ def _allowed_max(
         token if value != float("-inf") else NoAllowedTokenError(NO_ALLOWED_TOKEN)
         for value, token in zip(values.tolist(), tokens.tolist(), strict=True)
     ]
-
-
-NO_ALLOWED_TOKEN = "no token the structured output allows has a finite logit"
 
 
 def _draw(row: torch.Tensor, state: SamplerState, constraint: Constraint | None) -> int:
