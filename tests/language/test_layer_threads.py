@@ -47,10 +47,11 @@ def test_small_steps_run_their_layers_on_one_thread(qwen25):
 
 @pytest.mark.parametrize("dtype,kernel", SETTINGS)
 def test_one_thread_layers_give_the_same_answers(qwen25, monkeypatch, dtype, kernel):
+    prompts = [qwen25.case(prompt, [], max_new_tokens=1).inputs for prompt in PROMPTS]
+
     def answers(engine):
         params = SamplingParams(max_new_tokens=10, top_logprobs=3)
-        for i, prompt in enumerate(PROMPTS):  # decoded together: a batch of three
-            inputs = qwen25.case(prompt, [], max_new_tokens=1).inputs
+        for i, inputs in enumerate(prompts):  # decoded together: a batch of three
             engine.add_request(f"r{i}", params, inputs)
         with intra_op_threads(2):
             outs = run_to_completion(engine)

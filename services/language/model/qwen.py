@@ -110,8 +110,8 @@ class QwenTextModel(nn.Module):
             for name, module in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
                 fused, views = module.checkpoint_views()
                 prefix = f"layers.{i}.{name}."
-                for key in [k for k in targets if k.startswith(f"{prefix}{fused}.")]:
-                    del targets[key]
+                del targets[f"{prefix}{fused}.weight"]
+                targets.pop(f"{prefix}{fused}.bias", None)  # Qwen2(.5)-VL q/k/v have biases, Qwen3-VL none
                 targets.update((prefix + key, view) for key, view in views.items())
         return targets
 
