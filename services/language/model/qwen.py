@@ -111,7 +111,8 @@ class QwenTextModel(nn.Module):
                 fused, views = module.checkpoint_views()
                 prefix = f"layers.{i}.{name}."
                 del targets[f"{prefix}{fused}.weight"]
-                targets.pop(f"{prefix}{fused}.bias", None)  # Qwen2(.5)-VL q/k/v have biases, Qwen3-VL none
+                # Qwen2(.5)-VL's q/k/v have biases, Qwen3-VL's none
+                targets.pop(f"{prefix}{fused}.bias", None)
                 targets.update((prefix + key, view) for key, view in views.items())
         return targets
 
