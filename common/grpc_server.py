@@ -231,12 +231,15 @@ class Running:
     drain_timeout_s: float = 0.0
 
 
-def serve_until_terminated(running: Running) -> int:
-    """The main thread of ``epd serve ROLE``: freeze the start-up heap (``common.heap``),
-    announce, block until SIGINT/SIGTERM, drain (up to ``running.drain_timeout_s``; a second
-    signal cuts it short), stop."""
-    freeze_startup_heap()
+def serve_until_terminated(start: Callable[[], Running]) -> int:
+    """The main thread of ``epd serve ROLE``: start (SIGINT/SIGTERM already caught: one that
+    comes while the worker registers or loads is honoured once it started, by a drain, never
+    by dying registered), freeze the start-up heap (``common.heap``), announce, block until
+    SIGINT/SIGTERM, drain (up to ``running.drain_timeout_s``; a second signal cuts it short),
+    stop."""
     with TerminationSignals() as signals:
+        running = start()
+        freeze_startup_heap()
         print(running.banner, flush=True)
         signals.next()  # nothing wakes it before a drain starts: a signal
         if running.drain is not None and running.drain_timeout_s > 0:

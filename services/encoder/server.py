@@ -143,7 +143,7 @@ def wait_until_idle(service: EncoderService, deadline: float) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return serve_until_terminated(start(args))
+    return serve_until_terminated(lambda: start(args))
 
 
 def start_runtime(config: EncoderConfig, service: EncoderService, port: int) -> WorkerRuntime:

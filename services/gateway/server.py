@@ -342,4 +342,4 @@ def start(args: argparse.Namespace) -> Running:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return serve_until_terminated(start(args))
+    return serve_until_terminated(lambda: start(args))

@@ -197,5 +197,20 @@ def test_an_idle_worker_drains_at_once(role: str, tiny_model_dir, stack_factory)
     proc = stack.encoders[0] if role == "encoder" else stack.languages[0]
     sigterm_at = time.monotonic()
     proc.kill(signal.SIGTERM)
-    wait_for(lambda: proc.address not in registered(stack, role), 2, "deregistered")
+    wait_for(lambda: proc.address not in registered(stack, role), 30, "deregistered")
+    # told by the worker, not dropped by expiry (which does not log this line)
+    assert f"{role} worker {proc.address} deregistered" in stack.gateway.log_path.read_text()
     assert assert_exits_by_itself(proc, sigterm_at) < 10
+
+
+def test_sigterm_while_starting_drains_once_started(tiny_model_dir, stack_factory) -> None:
+    """A pod may be told to stop while it loads: the worker does not die mid-start (registered
+    and then silent until its expiry); it finishes starting, drains and exits 0."""
+    stack = stack_factory(tiny_model_dir(ARCH), worker_args=WORKER_ARGS)
+    proc = stack.start_worker("encoder", wait=False)
+    wait_for(lambda: "vision tower on" in proc.log_path.read_text(), 120, "the model loading")
+    sigterm_at = time.monotonic()
+    proc.kill(signal.SIGTERM)
+    assert_exits_by_itself(proc, sigterm_at)
+    assert proc.address not in registered(stack, "encoder")
+    assert "went silent" not in stack.gateway.log_path.read_text()
