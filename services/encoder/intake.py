@@ -25,11 +25,16 @@ ImageInput = ImageSource | Image.Image | bytes
 
 @dataclass(frozen=True)
 class OpenedImage:
-    """An image whose header passed the limits. ``encoded``: opened lazily from bytes by the
-    intake (pixels not decoded yet, the object is ours); else a caller's decoded image."""
+    """An image whose header passed the limits. ``data``: the encoded bytes it was opened from
+    lazily by the intake (pixels not decoded yet, the object is ours); None for a caller's
+    decoded image."""
 
     image: Image.Image
-    encoded: bool
+    data: bytes | None = None
+
+    @property
+    def encoded(self) -> bool:
+        return self.data is not None
 
     @property
     def width(self) -> int:
@@ -67,10 +72,11 @@ class ImageIntake:
         with naming(index):
             if isinstance(item, Image.Image):
                 check_size(item.width, item.height, self.limits)
-                return OpenedImage(item, encoded=False)
+                return OpenedImage(item)
             if isinstance(item, (bytes, bytearray, memoryview)):
                 item = ImageSource("data", bytes(item))
-            return OpenedImage(open_image(read_source(item, self.policy), self.limits), True)
+            data = read_source(item, self.policy)
+            return OpenedImage(open_image(data, self.limits), data)
 
     def decode(self, opened: OpenedImage, index: int) -> Image.Image:
         """The 8-bit RGB pixels of an image from ``open``."""

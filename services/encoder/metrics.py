@@ -39,7 +39,7 @@ def create_registry(service: EncoderService) -> CollectorRegistry:
     )
     video_frames = Counter(
         "encoder_video_frames",
-        "video frames sampled and decoded",
+        "video frames decoded (a repeated clip whose rows are cached decodes none)",
         namespace=NAMESPACE,
         registry=registry,
     )

@@ -41,12 +41,22 @@ from .intake import ImageInput, ImageIntake, OpenedImage, OpenedVideo, VideoInta
 from .messages import normalize_messages
 from .preprocess import ImagePreprocessor
 from .prompt import MediaShape, PromptBuilder, template_messages
-from .types import EncodedPrompt, MediaItem, Prompt, RequestLimits, VideoInput
+from .source_keys import Decoded, SourceKeys, source_digest
+from .types import (
+    EncodedPrompt,
+    MediaItem,
+    PreparedImage,
+    PreparedVideo,
+    Prompt,
+    RequestLimits,
+    VideoInput,
+)
 from .video_prep import VideoPreprocessor
 from .video_sampling import VideoPlan, VideoSettings
 from .vision import VisionTower
 
 MIB = 1 << 20
+SOURCE_KEYS = 65536  # entries of the bytes -> key table (~100 bytes each)
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,8 @@ class EncoderPipeline:
         self.rows_dtype = parse_dtype(self.config.transfer.dtype)
         cache_bytes = self.config.cache_mb << 20
         self.cache = EmbeddingCache(cache_bytes) if cache_bytes else None
+        # what decoding which bytes gave: a repeated item whose rows are cached is not decoded
+        self.source_keys = SourceKeys(SOURCE_KEYS) if self.cache is not None else None
         self.budget = PixelBudget(self.config.max_queued_pixel_mb << 20)
         self.batcher = VisionBatcher(
             lambda pixels, grids: self.tower.split(self.tower.forward(pixels, grids), grids),
@@ -183,33 +195,60 @@ class EncoderPipeline:
         return out
 
     def _decode(self, opened: list[OpenedItem]) -> list[MediaItem]:
-        """Decode, key and (on a cache miss) cut into patches; one object per distinct item."""
+        """Decode, key and (on a cache miss) cut into patches; one object per distinct item.
+        An item whose bytes were seen before and whose rows are cached is not decoded."""
         by_key: dict[bytes, MediaItem] = {}
         out: list[MediaItem] = []
         for item in opened:
             if isinstance(item.opened, OpenedVideo):
-                video = self._decode_video(item.opened, item.plan, item.index)
-                video = by_key.setdefault(video.key, video)  # the same video twice: one object
-                out.append(video)
-                continue
-            img = self.intake.decode(item.opened, item.index)
-            key = self.preprocessor.cache_key(img)
-            image = by_key.get(key)
-            if image is None:
-                rows = self.cache.get(key) if self.cache is not None else None
-                if rows is not None:
-                    image = self.preprocessor.cached(rows, key, img)
-                else:
-                    image = self.preprocessor.prepare(img, key)
-                by_key[key] = image
-            out.append(image)
+                media = self._decode_video(item.opened, item.plan, item.index)
+            else:
+                media = self._decode_image(item.opened, item.index, by_key)
+            media = by_key.setdefault(media.key, media)  # the same item twice: one object
+            out.append(media)
         return out
 
-    def _decode_video(self, video: OpenedVideo, plan: VideoPlan, index: int) -> MediaItem:
+    def _decode_image(
+        self, opened: OpenedImage, index: int, by_key: dict[bytes, MediaItem]
+    ) -> PreparedImage:
+        digest = None
+        if self.source_keys is not None and opened.data is not None:
+            digest = source_digest(b"image", opened.data)
+            known = self.source_keys.get(digest)
+            if known is not None:
+                seen = by_key.get(known.key)
+                if seen is not None:
+                    return seen
+                rows = self.cache.get(known.key) if known.key in self.cache else None
+                if rows is not None:  # (an absent key's miss is counted below, once)
+                    return self.preprocessor.cached(rows, known.key, known.width, known.height)
+        img = self.intake.decode(opened, index)
+        key = self.preprocessor.cache_key(img)
+        if digest is not None:
+            self.source_keys.put(digest, Decoded(key, img.width, img.height))
+        seen = by_key.get(key)
+        if seen is not None:
+            return seen
+        rows = self.cache.get(key) if self.cache is not None else None
+        if rows is not None:
+            return self.preprocessor.cached(rows, key, img.width, img.height)
+        return self.preprocessor.prepare(img, key)
+
+    def _decode_video(self, video: OpenedVideo, plan: VideoPlan, index: int) -> PreparedVideo:
+        digest = None
+        if self.source_keys is not None:
+            digest = source_digest(b"video", video.data, VideoPreprocessor.plan_meta(plan))
+            known = self.source_keys.get(digest)
+            if known is not None:
+                prepared = self.videos.cached(known.key, plan, self.cache)
+                if prepared is not None:
+                    return prepared
         start = time.perf_counter()
         with naming(index, "video"):
             prepared = self.videos.prepare(video.data, video.header, plan, self.cache)
         seconds = time.perf_counter() - start
+        if digest is not None:
+            self.source_keys.put(digest, Decoded(prepared.key))
         with self._video_lock:
             self.num_video_frames += prepared.num_frames
             self.video_decode_s += seconds

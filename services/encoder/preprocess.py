@@ -120,8 +120,8 @@ class ImagePreprocessor:
             pixel_values=pixel_values,
         )
 
-    def cached(self, rows: torch.Tensor, key: bytes, img: Image.Image) -> PreparedImage:
-        """An image whose rows the cache holds: no resize, no patches."""
-        height, width = self.target_size(img.width, img.height)
+    def cached(self, rows: torch.Tensor, key: bytes, width: int, height: int) -> PreparedImage:
+        """A ``width`` x ``height`` image whose rows the cache holds: no resize, no patches."""
+        height, width = self.target_size(width, height)
         grid = (1, height // self.patch_size, width // self.patch_size)
         return PreparedImage(key, grid, grid[1] * grid[2] // self.merge_size**2, rows=rows)

@@ -52,18 +52,43 @@ class VideoPreprocessor:
         frames = self.sampled_frames(data, header, plan)
         key = self._key(plan, frames)
         tp = self.temporal_patch_size
-        _, grid_h, grid_w = plan.grid_thw
-        grid = (1, grid_h, grid_w)
-        num_tokens = grid_h * grid_w // self.merge_size**2
         groups = []
-        for g in range(plan.grid_thw[0]):
-            group_key = xxhash.xxh3_128(key + g.to_bytes(4, "little")).digest()
+        for g, group_key in enumerate(self._group_keys(key, plan)):
             rows = cache.get(group_key) if cache is not None else None
             if rows is not None:
-                groups.append(PreparedImage(group_key, grid, num_tokens, rows=rows))
+                groups.append(self._group(plan, group_key, rows=rows))
                 continue
             pixels = self.cut(frames[g * tp : (g + 1) * tp])
-            groups.append(PreparedImage(group_key, grid, num_tokens, pixel_values=pixels))
+            groups.append(self._group(plan, group_key, pixel_values=pixels))
+        return self._video(key, plan, groups)
+
+    def cached(self, key: bytes, plan: VideoPlan, cache: EmbeddingCache) -> PreparedVideo | None:
+        """The video ``key`` (sampled by ``plan``) when the cache holds every frame group's rows,
+        with nothing decoded; None (no hit or miss counted) when one is missing."""
+        group_keys = self._group_keys(key, plan)
+        if not all(group_key in cache for group_key in group_keys):
+            return None
+        groups = []
+        for group_key in group_keys:
+            rows = cache.get(group_key)
+            if rows is None:  # evicted since the check
+                return None
+            groups.append(self._group(plan, group_key, rows=rows))
+        return self._video(key, plan, groups)
+
+    def _group_keys(self, key: bytes, plan: VideoPlan) -> list[bytes]:
+        return [
+            xxhash.xxh3_128(key + g.to_bytes(4, "little")).digest() for g in range(plan.grid_thw[0])
+        ]
+
+    def _group(self, plan: VideoPlan, key: bytes, **content: torch.Tensor) -> PreparedImage:
+        _, grid_h, grid_w = plan.grid_thw
+        return PreparedImage(
+            key, (1, grid_h, grid_w), grid_h * grid_w // self.merge_size**2, **content
+        )
+
+    @staticmethod
+    def _video(key: bytes, plan: VideoPlan, groups: list[PreparedImage]) -> PreparedVideo:
         return PreparedVideo(
             key=key,
             grid_thw=plan.grid_thw,
@@ -72,6 +97,17 @@ class VideoPreprocessor:
             timestamps=list(plan.timestamps),
             num_frames=len(plan.indices),
         )
+
+    @staticmethod
+    def plan_meta(plan: VideoPlan) -> bytes:
+        """How ``plan`` samples its video: part of the video's key and of its bytes' digest."""
+        meta = {
+            "indices": list(plan.indices),
+            "size": [plan.height, plan.width],
+            "sample_fps": plan.sample_fps,
+            "timestamps": list(plan.timestamps),
+        }
+        return b"video:" + json.dumps(meta, sort_keys=True).encode()
 
     def sampled_frames(self, data: bytes, header: VideoHeader, plan: VideoPlan) -> list[np.ndarray]:
         """The plan's frames, decoded and resized: ``[height, width, 3]`` uint8 each, in the
@@ -105,13 +141,7 @@ class VideoPreprocessor:
     def _key(self, plan: VideoPlan, frames: list[np.ndarray]) -> bytes:
         h = xxhash.xxh3_128()
         h.update(self._images.params_digest)
-        meta = {
-            "indices": list(plan.indices),
-            "size": [plan.height, plan.width],
-            "sample_fps": plan.sample_fps,
-            "timestamps": list(plan.timestamps),
-        }
-        h.update(b"video:" + json.dumps(meta, sort_keys=True).encode())
+        h.update(self.plan_meta(plan))
         for frame in frames:
             h.update(frame.tobytes())
         return h.digest()
