@@ -100,8 +100,17 @@ class LanguageEngine:
         self.num_prefill_tokens = 0  # prompt tokens computed, lifetime
         self.num_decode_tokens = 0  # tokens computed while decoding, lifetime
         self.num_batches = 0  # steps that ran a batch, lifetime
-        self.embedding_source = embedding_source  # where rooms' embeddings come from
         self.table = RequestTable(self.scheduler, self.cache_manager, embedding_source)
+
+    @property
+    def embedding_source(self) -> EmbeddingSource | None:
+        """Where rooms' embeddings come from; its one reference is the table's (which adds,
+        aborts and releases rooms)."""
+        return self.table.embedding_source
+
+    @embedding_source.setter
+    def embedding_source(self, source: EmbeddingSource | None) -> None:
+        self.table.embedding_source = source
 
     @property
     def requests(self) -> dict[str, Request]:
