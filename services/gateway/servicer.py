@@ -2,6 +2,7 @@
 
 ``Generate`` is the gRPC front door of ``frontdoor.FrontDoor`` (validation before admission,
 orchestration, outcome metrics with ``api="grpc"``); the HTTP app is the other one.
+``GenerateUnary`` is ``Generate`` answered in one message (``unary.py``).
 A caller's identity (``caller_identity``) is the SHA-256 of its API key when it sends one
 (``authorization: Bearer KEY``), else its peer address; ``Abort`` reaches only the caller's own
 requests.
@@ -26,6 +27,7 @@ from services.gateway.errors import GatewayError
 from services.gateway.frontdoor import Api, FrontDoor
 from services.gateway.registry import ROLES, Role, WorkerRegistry
 from services.gateway.routing import worker_problems
+from services.gateway.unary import unary_response
 from services.gateway.validation import validate_request_id
 
 
@@ -74,35 +76,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             context.abort(exc.code, exc.message)
 
     def GenerateUnary(self, request, context):  # noqa: N802
-        if request.sampling.n > 1:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"sampling.n must be 0 or 1 for GenerateUnary (one choice; Generate streams "
-                f"several), got {request.sampling.n}",
-            )
-        texts: list[str] = []
-        token_ids: list[int] = []
-        reply = gateway_pb2.GenerateResponse()
-        final = None
-        for chunk in self.Generate(request, context):
-            texts.append(chunk.text)
-            token_ids.extend(chunk.token_ids)
-            reply.logprobs.extend(chunk.logprobs)
-            reply.prompt_logprobs.extend(chunk.prompt_logprobs)
-            reply.prompt_text += chunk.prompt_text
-            reply.tool_calls.extend(chunk.tool_calls)
-            if chunk.finish_reason:
-                final = chunk
-        reply.text = "".join(texts)
-        reply.token_ids.extend(token_ids)
-        if final is not None:  # always, once Generate ended without an error
-            reply.request_id = final.request_id
-            reply.finish_reason = final.finish_reason
-            reply.encoder = final.encoder
-            reply.language = final.language
-            reply.usage.CopyFrom(final.usage)
-            reply.timing.CopyFrom(final.timing)
-        return reply
+        """``Generate``'s chunks put together in one response (``unary.py``), every choice."""
+        return unary_response(self.Generate(request, context))
 
     def Abort(self, request, context):  # noqa: N802
         """Abort a live request of this caller; NOT_FOUND for any other id (another caller's

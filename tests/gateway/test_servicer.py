@@ -42,6 +42,7 @@ def test_validation_errors_are_invalid_argument_and_counted(gateway) -> None:
         build_request("hi", max_tokens=1 << 20),
         build_request("hi", frequency_penalty=-3.0),
         build_request("hi", logit_bias={4: float("inf")}),
+        build_request("hi", n=17),
     ]
     needles = [
         "sampling.temperature",
@@ -50,6 +51,7 @@ def test_validation_errors_are_invalid_argument_and_counted(gateway) -> None:
         "max_new",
         "sampling.frequency_penalty must be a finite number in [-2, 2], got -3",
         "sampling.logit_bias values must be finite numbers in [-100, 100], got inf",
+        "sampling.n must be in [0, 16] (0 or 1 = one choice), got 17",
     ]
     for request, needle in zip(bad, needles, strict=True):
         for rpc in (stub.GenerateUnary, lambda r, **kw: list(stub.Generate(r, **kw))):

@@ -4,9 +4,11 @@ Greedy choices of a chat (text, or with an image) each equal the one-choice answ
 0..n-1, streamed with their own index and finish; usage counts the prompt once and every
 choice's completion; legacy completions of several prompts number choice j of prompt i as
 i * n + j; a seed makes the choices differ from each other and repeat across requests; over
-gRPC each chunk carries its choice's index, and n above its bound is INVALID_ARGUMENT naming
-``sampling.n`` (the HTTP 400 naming ``n`` is in ``test_openai_client.py``); nothing is left
-held on the workers afterwards.
+gRPC each chunk carries its choice's index, ``GenerateUnary`` answers every choice (greedy ones
+equal to the one-choice answer, seeded ones reproducible, choice i the one-choice answer seeded
+seed + i), and n above its bound is INVALID_ARGUMENT naming ``sampling.n`` on both methods (the
+HTTP 400 naming ``n`` is in ``test_openai_client.py``); nothing is left held on the workers
+afterwards.
 """
 
 from __future__ import annotations
@@ -123,13 +125,52 @@ def test_grpc_streams_each_choice_with_its_index(http_stack) -> None:
         assert all(c.usage.completion_tokens == MAX_TOKENS for c in finals)
         texts = ["".join(c.text for c in chunks if c.index == i) for i in (0, 1)]
         assert texts[0] == texts[1] and texts[0]
-        with pytest.raises(grpc.RpcError) as info:
-            stub.GenerateUnary(request, timeout=120)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "sampling.n" in info.value.details()
         request.sampling.n = 17
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub.Generate(request, timeout=120))
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "sampling.n must be in [0, 16]" in info.value.details()
+        for rpc in (stub.GenerateUnary, lambda r, **kw: list(stub.Generate(r, **kw))):
+            with pytest.raises(grpc.RpcError) as info:
+                rpc(request, timeout=120)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sampling.n must be in [0, 16]" in info.value.details()
+    http_stack.wait_no_leaks()
+
+
+def unary_request(tag: str, n: int, max_tokens: int, **sampling) -> gateway_pb2.GenerateRequest:
+    message = common_pb2.ChatMessage(role="user")
+    message.content.add(text=f"Tell me a story. {tag}")
+    sampling = common_pb2.SamplingParams(
+        max_new_tokens=max_tokens, ignore_eos=True, n=n, **sampling
+    )
+    return gateway_pb2.GenerateRequest(messages=[message], sampling=sampling)
+
+
+def test_grpc_unary_answers_every_choice(http_stack) -> None:
+    tag = uuid.uuid4().hex[:8]
+    with http_stack.channel() as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        one = stub.GenerateUnary(unary_request(tag, 1, MAX_TOKENS), timeout=120)
+        assert len(one.choices) == 1 and one.choices[0].text == one.text and one.text
+        three = stub.GenerateUnary(unary_request(tag, 3, MAX_TOKENS), timeout=120)
+        assert [c.index for c in three.choices] == [0, 1, 2]
+        for choice in three.choices:
+            assert (choice.text, list(choice.token_ids)) == (one.text, list(one.token_ids))
+            assert choice.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert choice.usage.prompt_tokens == one.usage.prompt_tokens
+            assert choice.usage.completion_tokens == MAX_TOKENS
+        assert (three.text, three.finish_reason) == (one.text, one.finish_reason)
+        assert three.usage.prompt_tokens == one.usage.prompt_tokens
+        assert three.usage.completion_tokens == 3 * MAX_TOKENS
+
+        seeded = dict(temperature=1.0, seed=1234)
+        runs = [
+            stub.GenerateUnary(unary_request(tag, 3, 16, **seeded), timeout=120) for _ in range(2)
+        ]
+        tokens = [[list(c.token_ids) for c in run.choices] for run in runs]
+        assert tokens[0] == tokens[1]
+        assert [c.text for c in runs[0].choices] == [c.text for c in runs[1].choices]
+        assert all(len(t) == 16 for t in tokens[0]) and tokens[0][0] != tokens[0][1]
+        assert runs[0].usage.completion_tokens == 3 * 16
+        single = stub.GenerateUnary(
+            unary_request(tag, 1, 16, temperature=1.0, seed=1235), timeout=120
+        )
+        assert list(single.token_ids) == tokens[0][1]  # choice i samples with seed + i
     http_stack.wait_no_leaks()

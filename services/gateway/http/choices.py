@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from protos.epd.v1 import gateway_pb2
 from services.gateway.http.replies import StreamWriter, usage
+from services.gateway.unary import total_usage
 
 
 class ChoicesWriter:
@@ -57,13 +58,5 @@ class ChoicesWriter:
 
 
 def sum_usage(finals: Iterable[gateway_pb2.GenerateChunk]) -> dict:
-    """The usage of the choices whose final chunks are ``finals``: prompt and cached tokens of
-    each prompt once (its choice 0's), completion tokens of every choice."""
-    total = gateway_pb2.Usage()
-    for final in finals:
-        u = final.usage
-        if final.index == 0:
-            total.prompt_tokens += u.prompt_tokens
-            total.cached_tokens += u.cached_tokens
-        total.completion_tokens += u.completion_tokens
-    return usage(total)
+    """The usage of the choices whose final chunks are ``finals`` (``unary.total_usage``)."""
+    return usage(total_usage(finals))

@@ -15,7 +15,8 @@ last token, so the prompt and its images are computed once. Each choice samples 
 (its sampler, seed + index with a seed, grammar guide, penalty history) and streams outputs
 with its ``index``. The request ends when every choice finished: its last output has
 ``ends_request``, and its room (the image rows are views of its transfer blocks) is given back
-then. An abort or a failure of any choice finishes every choice still going.
+then. An abort or a failure of any choice finishes every choice still going. Which requests are
+in flight, and how each ends, is ``request_table.RequestTable``'s.
 """
 
 from __future__ import annotations
@@ -25,14 +26,18 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-import torch
-
 from common.compute import resolve_compute
 from services.language.config import LanguageConfig
 from services.language.engine.cache_manager import CacheManager
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars, Guide
-from services.language.engine.intake import Limits, check_inputs, check_sampling
+from services.language.engine.intake import (
+    Limits,
+    attach_prompt,
+    check_sampling,
+    take_chunk,
+    take_whole,
+)
 from services.language.engine.model_runner import ModelRunner, RunResult
 from services.language.engine.outputs import EngineLoad, request_output
 from services.language.engine.penalties import process_logits
@@ -44,10 +49,10 @@ from services.language.engine.request import (
     RequestOutput,
     RequestStatus,
 )
+from services.language.engine.request_table import RequestTable
 from services.language.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprob
 from services.language.engine.scheduler import Scheduler
 from services.language.engine.token_text import TokenTexts
-from services.language.image_identity import image_keys, images_within
 from services.language.inputs import PromptChunk, PromptInputs
 from services.language.kvcache.pool import KVPool, SlotAllocator, slot_bytes
 from services.language.kvcache.radix_cache import RadixCache
@@ -95,10 +100,32 @@ class LanguageEngine:
         self.num_prefill_tokens = 0  # prompt tokens computed, lifetime
         self.num_decode_tokens = 0  # tokens computed while decoding, lifetime
         self.num_batches = 0  # steps that ran a batch, lifetime
-        self.requests: dict[str, Request] = {}  # choice 0 of each request in flight
-        self.choices: dict[str, list[Request]] = {}  # every choice of it, by index
-        self.receiving: dict[int, Request] = {}  # room -> request waiting for embeddings
-        self.embedding_source = embedding_source  # where rooms' embeddings come from
+        self.table = RequestTable(self.scheduler, self.cache_manager, embedding_source)
+
+    @property
+    def embedding_source(self) -> EmbeddingSource | None:
+        """Where rooms' embeddings come from; its one reference is the table's (which adds,
+        aborts and releases rooms)."""
+        return self.table.embedding_source
+
+    @embedding_source.setter
+    def embedding_source(self, source: EmbeddingSource | None) -> None:
+        self.table.embedding_source = source
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Choice 0 of each request in flight (``RequestTable.requests``)."""
+        return self.table.requests
+
+    @property
+    def choices(self) -> dict[str, list[Request]]:
+        """Every choice of each request in flight, by index (``RequestTable.choices``)."""
+        return self.table.choices
+
+    @property
+    def receiving(self) -> dict[int, Request]:
+        """Room -> request waiting for its embeddings (``RequestTable.receiving``)."""
+        return self.table.receiving
 
     # ---- intake -------------------------------------------------------------------------
     def tokenize_messages(self, messages: list[dict]) -> PromptInputs:
@@ -149,19 +176,11 @@ class LanguageEngine:
         req.room, req.deadline = room, deadline
         others = [self._new_choice(request_id, params, i) for i in range(1, params.n)]
         if inputs is None:
-            if not room:
-                raise RequestError(ErrorKind.INVALID_ARGUMENT, "a request needs inputs or a room")
-            if room in self.receiving:
-                raise RequestError(ErrorKind.INVALID_ARGUMENT, f"room {room} is already in use")
-            if self.embedding_source is not None:
-                self.embedding_source.add_room(room, encoder_endpoint, deadline)
-            req.status = RequestStatus.WAITING_FOR_EMBEDDINGS
-            self.receiving[room] = req
+            self.table.wait_for_room(req, room, encoder_endpoint, deadline)
         else:
-            self._set_inputs(req, inputs)
+            attach_prompt(req, inputs, self.limits)
             self.scheduler.add(req)
-        self.requests[request_id] = req
-        self.choices[request_id] = [req, *others]
+        self.table.add([req, *others])
 
     def _new_choice(
         self, request_id: str, params: SamplingParams, index: int, guide: Guide | None = None
@@ -177,45 +196,6 @@ class LanguageEngine:
         if index:
             req.status = RequestStatus.WAITING_FOR_FIRST_CHOICE
         return req
-
-    def _start_other_choices(self, first: Request) -> None:
-        """``first`` (choice 0) put its prompt into the radix cache: the choices waiting for it
-        take its prompt and go to the front of the queue (they reuse its prefill)."""
-        waiting = [
-            c
-            for c in self.choices.get(first.request_id, ())
-            if c.status == RequestStatus.WAITING_FOR_FIRST_CHOICE
-        ]
-        for choice in waiting:
-            choice.share_prompt(first)
-        self.scheduler.add_first(waiting)
-
-    def _set_inputs(
-        self, req: Request, inputs: PromptInputs, num_prompt_tokens: int | None = None
-    ) -> None:
-        """Check and attach a prompt, or the first tokens of one of ``num_prompt_tokens``."""
-        max_new_tokens = check_inputs(inputs, req.params, self.limits, num_prompt_tokens)
-        req.set_inputs(
-            inputs,
-            self.limits.vocab_size,
-            self._image_keys(req, inputs),
-            max_new_tokens,
-            num_prompt_tokens,
-        )
-
-    def _image_keys(self, req: Request, inputs: PromptInputs):
-        """Each token's image key for the radix cache (0 for text); a prefix of a prompt
-        still arriving gets its images' keys as far as their tokens arrived."""
-        vocab = self.limits.vocab_size
-        images = images_within(inputs.images, len(inputs.image_rows))
-        keys, problem = image_keys(inputs.fill_ids.numpy(), vocab, images)
-        if problem:
-            logger.warning(
-                "request %s: its image tokens get a random radix key and will not be shared (%s)",
-                req.request_id,
-                problem,
-            )
-        return keys
 
     def collect_embeddings(self) -> list[RequestOutput]:
         """Move on the requests whose rooms ended or grew (the embedding source said so)."""
@@ -235,60 +215,31 @@ class LanguageEngine:
         req = self.receiving.get(room)
         if req is None:  # aborted meanwhile
             return []
-        return self._take_prompt(req, lambda: self._take_chunk(req, chunk))
+        return self._take_prompt(req, lambda: take_chunk(req, chunk, self.limits))
 
     def deliver_inputs(self, room: int, inputs: PromptInputs | Exception) -> list[RequestOutput]:
         """Embeddings of ``room`` arrived (or failed): move its request on."""
-        req = self.receiving.pop(room, None)
-        if req is None:  # aborted meanwhile: nobody will use these inputs
-            self._release_room(room)
+        req = self.table.take_room(room)
+        if req is None:  # aborted meanwhile
             return []
         if isinstance(inputs, Exception):
             past_deadline = req.deadline is not None and time.monotonic() >= req.deadline
             kind = ErrorKind.DEADLINE_EXCEEDED if past_deadline else ErrorKind.FAILED
-            return self._fail(req, kind, f"receiving the prompt failed: {inputs}")
-        return self._take_prompt(req, lambda: self._take_whole(req, inputs))
+            return self.table.fail(req, kind, f"receiving the prompt failed: {inputs}")
+        return self._take_prompt(req, lambda: take_whole(req, inputs, self.limits))
 
-    def _take_prompt(self, req: Request, take: Callable[[], None]) -> list[RequestOutput]:
-        """Run ``take`` (it attaches or grows ``req``'s prompt); a failure ends ``req`` alone."""
+    def _take_prompt(self, req: Request, take: Callable[[], bool]) -> list[RequestOutput]:
+        """Run ``take`` (it attaches or grows ``req``'s prompt; True: queue ``req``); a failure
+        ends ``req`` alone."""
         try:
-            take()
+            if take():
+                self.scheduler.add(req)
         except RequestError as exc:
-            return self._fail(req, exc.kind, str(exc))
+            return self.table.fail(req, exc.kind, str(exc))
         except Exception as exc:  # inputs the checks did not foresee: this request only
             logger.exception("request %s: its prompt could not be taken", req.request_id)
-            return self._fail(req, ErrorKind.FAILED, f"its prompt could not be taken: {exc}")
+            return self.table.fail(req, ErrorKind.FAILED, f"its prompt could not be taken: {exc}")
         return []
-
-    def _take_chunk(self, req: Request, chunk: PromptChunk) -> None:
-        if req.inputs is None:
-            if chunk.start != 0:
-                raise ValueError(f"the prompt's first chunk starts at token {chunk.start}")
-            self._set_inputs(req, chunk.inputs, chunk.num_prompt_tokens)
-            self.scheduler.add(req)
-        elif chunk.start != req.num_ready_tokens:
-            raise ValueError(f"chunk at token {chunk.start}, {req.num_ready_tokens} arrived")
-        else:
-            self._grow_inputs(req, req.inputs.extended(chunk.inputs))
-
-    def _take_whole(self, req: Request, inputs: PromptInputs) -> None:
-        if req.inputs is None:
-            self._set_inputs(req, inputs)
-            self.scheduler.add(req)
-            return
-        # its first tokens came earlier (and may be computed): the whole prompt replaces them,
-        # after checking that it starts with them
-        arrived = req.num_ready_tokens
-        if len(inputs) != req.num_prompt_tokens or not torch.equal(
-            inputs.fill_ids[:arrived], req.inputs.fill_ids
-        ):
-            raise ValueError("the prompt differs from the chunks that arrived before it")
-        self._grow_inputs(req, inputs)
-
-    def _grow_inputs(self, req: Request, inputs: PromptInputs) -> None:
-        """``inputs`` (from the prompt's first token) replace the request's shorter ones."""
-        check_inputs(inputs, req.params, self.limits, req.num_prompt_tokens)
-        req.update_inputs(inputs, self.limits.vocab_size, self._image_keys(req, inputs))
 
     def abort(self, request_id: str, error: str = "") -> list[RequestOutput]:
         """Abort in any state: frees slots, locks and (via the source) transfer blocks. With
@@ -298,8 +249,8 @@ class LanguageEngine:
         if req is None:
             return []
         if error:
-            return self._fail(req, ErrorKind.FAILED, error)
-        return self._end_request(req, FinishReason.ABORT)
+            return self.table.fail(req, ErrorKind.FAILED, error)
+        return self.table.end_request(req, FinishReason.ABORT)
 
     # ---- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -320,7 +271,9 @@ class LanguageEngine:
                 "model forward failed; failing the %d requests of its batch", len(batch.chunks)
             )
             error = f"model forward failed: {type(exc).__name__}: {exc}"
-            return [out for c in batch.chunks for out in self._fail(c.req, ErrorKind.FAILED, error)]
+            return [
+                out for c in batch.chunks for out in self.table.fail(c.req, ErrorKind.FAILED, error)
+            ]
         for chunk in result.chunks:
             if chunk.req.status == RequestStatus.DECODE:
                 self.num_decode_tokens += chunk.end - chunk.start
@@ -332,7 +285,9 @@ class LanguageEngine:
         outputs = [
             out
             for c, exc in result.failed
-            for out in self._fail(c.req, ErrorKind.FAILED, f"building its inputs failed: {exc}")
+            for out in self.table.fail(
+                c.req, ErrorKind.FAILED, f"building its inputs failed: {exc}"
+            )
         ]
         for req, entries in result.prompt_logprobs:
             req.prompt_logprobs += entries
@@ -351,13 +306,13 @@ class LanguageEngine:
             if req.status == RequestStatus.FINISHED:  # another choice of its request failed
                 continue
             if isinstance(token, Exception):
-                outputs += self._fail(req, ErrorKind.FAILED, f"sampling failed: {token}")
+                outputs += self.table.fail(req, ErrorKind.FAILED, f"sampling failed: {token}")
                 continue
             try:
                 if req.status == RequestStatus.PREFILL:
                     req.status = RequestStatus.DECODE
                     self.cache_manager.cache_prefix(req)
-                    self._start_other_choices(req)
+                    self.table.start_other_choices(req)
                 out = self._append_token(req, token)
                 if req.params.wants_logprobs:
                     lp = token_logprob(result.logits[row], token, req.params.top_logprobs)
@@ -367,7 +322,7 @@ class LanguageEngine:
                 outputs.append(out)
             except Exception as exc:  # e.g. the tokenizer rejects the token: this request only
                 logger.exception("request %s failed after sampling", req.request_id)
-                outputs += self._fail(req, ErrorKind.FAILED, f"output failed: {exc}")
+                outputs += self.table.fail(req, ErrorKind.FAILED, f"output failed: {exc}")
         self.grammars.prepare_masks(
             [c.req.guide for c in sampled if c.req.guide and c.req.status != RequestStatus.FINISHED]
         )
@@ -398,71 +353,8 @@ class LanguageEngine:
         if req.detokenizer.stopped:
             reason = FinishReason.STOP
         if reason != FinishReason.NONE:
-            return self._finish(req, reason, [token], text)
+            return self.table.finish(req, reason, [token], text)
         return request_output(req, [token], text)
-
-    def _fail(self, req: Request, kind: ErrorKind, error: str) -> list[RequestOutput]:
-        """``req`` failed: its request ends, every choice with the error."""
-        return self._end_request(req, FinishReason.ERROR, error, kind)
-
-    def _end_request(
-        self,
-        req: Request,
-        reason: FinishReason,
-        error: str = "",
-        error_kind: ErrorKind = ErrorKind.NONE,
-    ) -> list[RequestOutput]:
-        """Finish every choice of ``req``'s request still going (``req`` last), with ``reason``."""
-        choices = self._choices_of(req)
-        going = [c for c in choices if c is not req and c.status != RequestStatus.FINISHED]
-        if req.status != RequestStatus.FINISHED:
-            going.append(req)
-        return [self._finish(c, reason, error=error, error_kind=error_kind) for c in going]
-
-    def _finish(
-        self,
-        req: Request,
-        reason: FinishReason,
-        token_ids: list[int] | None = None,
-        text: str = "",
-        error: str = "",
-        error_kind: ErrorKind = ErrorKind.NONE,
-    ) -> RequestOutput:
-        if req.status in (RequestStatus.PREFILL, RequestStatus.DECODE) and reason in (
-            FinishReason.STOP,
-            FinishReason.LENGTH,
-        ):
-            self.cache_manager.cache_prefix(req)
-        if req.status not in (
-            RequestStatus.WAITING_FOR_EMBEDDINGS,
-            RequestStatus.WAITING_FOR_FIRST_CHOICE,
-        ):
-            self.scheduler.remove(req)
-        if self.receiving.get(req.room) is req:  # its room is still in flight: drop it
-            del self.receiving[req.room]
-            if self.embedding_source is not None:
-                self.embedding_source.abort(req.room)
-            req.room = 0  # nothing was delivered: nothing to release
-        req.status, req.finish_reason = RequestStatus.FINISHED, reason
-        out = request_output(req, token_ids or [], text, error, error_kind)
-        choices = self._choices_of(req)
-        out.more_choices = any(c.status != RequestStatus.FINISHED for c in choices)
-        if not out.more_choices:  # the request's last choice: the request ends
-            if self.requests.get(req.request_id) is choices[0]:
-                del self.requests[req.request_id]
-                self.choices.pop(req.request_id, None)
-            self._release_room(choices[0].room)
-        return out
-
-    def _choices_of(self, req: Request) -> list[Request]:
-        """Every choice of ``req``'s request, by index (``[req]`` once its request ended)."""
-        choices = self.choices.get(req.request_id, [])
-        return choices if any(c is req for c in choices) else [req]
-
-    def _release_room(self, room: int) -> None:
-        """Give a delivered room's transfer blocks back (its image rows may be views of them)."""
-        if room and self.embedding_source is not None:
-            self.embedding_source.release(room)
 
     def load(self) -> EngineLoad:
         cm = self.cache_manager

@@ -1,4 +1,5 @@
-"""Checks a prompt against the worker before it is queued; the limits it is checked against.
+"""A prompt entering a request: checked against the worker, then attached; the limits it is
+checked against.
 
 A prompt that can never be served is refused here with ``RequestError(INVALID_ARGUMENT)`` naming
 the problem and the bound: text-only requests when they are submitted, requests with a room
@@ -6,17 +7,27 @@ when their prompt arrives. What passes is consistent with the model: one image r
 width per image token, no negative ids, prompt + completion within ``max_seq_len``. Sampling
 settings that depend on the model (``logit_bias`` ids within the vocabulary) are checked when a
 request is added.
+
+A room's prompt may arrive in chunks (``take_chunk``: the request is queued with its first
+tokens and prefills what arrived) and then whole (``take_whole``: it must start with the
+tokens that came before). Each attaches or grows the request's inputs with their radix keys
+(``radix_image_keys``); the engine queues a request the first time its prompt is attached.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from services.language.engine.request import ErrorKind, RequestError
+from services.language.engine.request import ErrorKind, Request, RequestError
 from services.language.engine.sampling import SamplingParams
-from services.language.inputs import PromptInputs
+from services.language.image_identity import image_keys, images_within
+from services.language.inputs import PromptChunk, PromptInputs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,3 +91,63 @@ def check_inputs(
         if not torch.is_floating_point(rows):
             raise invalid(f"image rows are {rows.dtype}, not floating point")
     return max_new
+
+
+def attach_prompt(
+    req: Request, inputs: PromptInputs, limits: Limits, num_prompt_tokens: int | None = None
+) -> None:
+    """Check and attach a prompt, or the first tokens of one of ``num_prompt_tokens``."""
+    max_new_tokens = check_inputs(inputs, req.params, limits, num_prompt_tokens)
+    keys = radix_image_keys(req, inputs, limits.vocab_size)
+    req.set_inputs(inputs, limits.vocab_size, keys, max_new_tokens, num_prompt_tokens)
+
+
+def grow_prompt(req: Request, inputs: PromptInputs, limits: Limits) -> None:
+    """``inputs`` (from the prompt's first token) replace the request's shorter ones."""
+    check_inputs(inputs, req.params, limits, req.num_prompt_tokens)
+    req.update_inputs(inputs, limits.vocab_size, radix_image_keys(req, inputs, limits.vocab_size))
+
+
+def take_chunk(req: Request, chunk: PromptChunk, limits: Limits) -> bool:
+    """The next tokens of ``req``'s prompt arrived; True when they are its first (``req`` is
+    to be queued). ValueError for a chunk out of order."""
+    if req.inputs is None:
+        if chunk.start != 0:
+            raise ValueError(f"the prompt's first chunk starts at token {chunk.start}")
+        attach_prompt(req, chunk.inputs, limits, chunk.num_prompt_tokens)
+        return True
+    if chunk.start != req.num_ready_tokens:
+        raise ValueError(f"chunk at token {chunk.start}, {req.num_ready_tokens} arrived")
+    grow_prompt(req, req.inputs.extended(chunk.inputs), limits)
+    return False
+
+
+def take_whole(req: Request, inputs: PromptInputs, limits: Limits) -> bool:
+    """``req``'s whole prompt arrived; True when none of it had (``req`` is to be queued).
+    ValueError when it does not start with the chunks that came before it."""
+    if req.inputs is None:
+        attach_prompt(req, inputs, limits)
+        return True
+    # its first tokens came earlier (and may be computed): the whole prompt replaces them,
+    # after checking that it starts with them
+    arrived = req.num_ready_tokens
+    if len(inputs) != req.num_prompt_tokens or not torch.equal(
+        inputs.fill_ids[:arrived], req.inputs.fill_ids
+    ):
+        raise ValueError("the prompt differs from the chunks that arrived before it")
+    grow_prompt(req, inputs, limits)
+    return False
+
+
+def radix_image_keys(req: Request, inputs: PromptInputs, vocab_size: int) -> np.ndarray:
+    """Each token's image key for the radix cache (0 for text); a prefix of a prompt
+    still arriving gets its images' keys as far as their tokens arrived."""
+    images = images_within(inputs.images, len(inputs.image_rows))
+    keys, problem = image_keys(inputs.fill_ids.numpy(), vocab_size, images)
+    if problem:
+        logger.warning(
+            "request %s: its image tokens get a random radix key and will not be shared (%s)",
+            req.request_id,
+            problem,
+        )
+    return keys
