@@ -1,14 +1,16 @@
 """Faults mid-video through a real stack: a long clip is decoded, encoded frame group by frame
-group and shipped in continuations; the client cancelling, or the encoder being SIGKILLed,
-while that happens ends the request alone with a clear status, and nothing stays held (blocks,
-rooms, patch bytes, radix locks)."""
+group and shipped in continuations; the client cancelling, the encoder being SIGKILLed, or the
+request's deadline passing while that happens ends the request alone with a clear status, and
+nothing stays held (blocks, rooms, patch bytes, radix locks)."""
 
 from __future__ import annotations
 
+import base64
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 
 from protos.epd.v1 import gateway_pb2
@@ -22,6 +24,13 @@ ARCH = "qwen2_5_vl"
 @pytest.fixture(scope="module")
 def long_clip() -> bytes:
     return make_video(num_frames=240, width=96, height=72, fps=4, seed=21)  # 60 s
+
+
+@pytest.fixture(scope="module")
+def slow_clip() -> bytes:
+    """300 s of 640x480 (600 frames sampled at 2 fps): its decode takes seconds (~5 s here),
+    many times the deadlines below."""
+    return make_video(num_frames=1200, width=640, height=480, fps=4, seed=23)
 
 
 def streaming(request_: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
@@ -69,4 +78,50 @@ def test_client_cancel_and_encoder_killed_mid_video(tiny_model_dir, stack_factor
         victim.proc.wait(10)
         reply = client.generate("Hello there", [], max_tokens=4, timeout=60)
         assert reply.token_ids
+    stack.wait_no_leaks()
+
+
+def test_deadline_passing_while_the_video_decodes(tiny_model_dir, stack_factory, slow_clip):
+    """A 1 s deadline against seconds of decoding, over gRPC (DEADLINE_EXCEEDED) and HTTP
+    (``X-Request-Timeout``: 504): the request ends at its deadline while the encoder still
+    decodes; the encoder finishes the decode it started, then drops the expired room, and
+    nothing stays held; the next request is served."""
+    env, _ = video_env(ARCH)
+    stack = stack_factory(tiny_model_dir(ARCH), env=env, http_port=0)
+    url = "data:video/mp4;base64," + base64.b64encode(slow_clip).decode()
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": url}},
+                    {"type": "text", "text": "What happens?"},
+                ],
+            }
+        ],
+        "max_tokens": 4,
+    }
+    with stack.client() as client:
+        for api in ("grpc", "http"):
+            decoded = stack.encoder_load().num_video_frames
+            if api == "grpc":
+                with pytest.raises(grpc.RpcError) as info:
+                    client.unary_request(request(slow_clip), timeout=1.0)
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+            else:
+                headers = {"X-Request-Timeout": "1"}
+                reply = httpx.post(
+                    stack.http_url + "/v1/chat/completions", json=body, headers=headers, timeout=60
+                )
+                assert reply.status_code == 504, reply.text
+                assert reply.json()["error"]["code"] == "deadline_exceeded"
+            # the encoder was still decoding when the deadline passed: no frames counted yet
+            assert stack.encoder_load().num_video_frames == decoded
+            wait_for(
+                lambda: stack.encoder_load().num_video_frames > decoded, 120, "the decode to end"
+            )
+            stack.wait_no_leaks()
+        reply = client.unary_request(request(make_video(num_frames=8)), timeout=120)
+        assert reply.token_ids
+        assert client.generate("Hello there", [], max_tokens=4, timeout=60).token_ids
     stack.wait_no_leaks()
