@@ -23,6 +23,7 @@ is ``{"type": "video", "video": VideoInput | bytes | str}``.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -104,16 +105,22 @@ class EncoderPipeline:
         messages: Sequence,
         images: Sequence[ImageInput] = (),
         limits: RequestLimits | None = None,
+        deadline: float = math.inf,
     ) -> Prompt:
-        """Validate and tokenize a request; raises ``InvalidInput`` naming the problem."""
+        """Validate and tokenize a request; raises ``InvalidInput`` naming the problem, and
+        ``DeadlineExpired`` when ``deadline`` (``time.monotonic``) passes while a video decodes."""
         start = time.perf_counter()
-        prompt = self._prepare(messages, images, limits)
+        prompt = self._prepare(messages, images, limits, deadline)
         if self.on_prepare is not None:
             self.on_prepare(time.perf_counter() - start)
         return prompt
 
     def _prepare(
-        self, messages: Sequence, images: Sequence[ImageInput], limits: RequestLimits | None
+        self,
+        messages: Sequence,
+        images: Sequence[ImageInput],
+        limits: RequestLimits | None,
+        deadline: float,
     ) -> Prompt:
         """Every check the headers and the text allow comes before any pixel is decoded."""
         limits = limits or RequestLimits()
@@ -141,7 +148,7 @@ class EncoderPipeline:
                 f"{self.budget.capacity_bytes / MIB:.0f} MiB are queued"
             )
         try:
-            prompt = self.prompts.build(ids, self._decode(opened))
+            prompt = self.prompts.build(ids, self._decode(opened, deadline))
         except BaseException:
             self.budget.release(need)
             raise
@@ -182,13 +189,13 @@ class EncoderPipeline:
             num_images += 1
         return out
 
-    def _decode(self, opened: list[OpenedItem]) -> list[MediaItem]:
+    def _decode(self, opened: list[OpenedItem], deadline: float) -> list[MediaItem]:
         """Decode, key and (on a cache miss) cut into patches; one object per distinct item."""
         by_key: dict[bytes, MediaItem] = {}
         out: list[MediaItem] = []
         for item in opened:
             if isinstance(item.opened, OpenedVideo):
-                video = self._decode_video(item.opened, item.plan, item.index)
+                video = self._decode_video(item.opened, item.plan, item.index, deadline)
                 video = by_key.setdefault(video.key, video)  # the same video twice: one object
                 out.append(video)
                 continue
@@ -205,10 +212,12 @@ class EncoderPipeline:
             out.append(image)
         return out
 
-    def _decode_video(self, video: OpenedVideo, plan: VideoPlan, index: int) -> MediaItem:
+    def _decode_video(
+        self, video: OpenedVideo, plan: VideoPlan, index: int, deadline: float
+    ) -> MediaItem:
         start = time.perf_counter()
         with naming(index, "video"):
-            prepared = self.videos.prepare(video.data, video.header, plan, self.cache)
+            prepared = self.videos.prepare(video.data, video.header, plan, self.cache, deadline)
         seconds = time.perf_counter() - start
         with self._video_lock:
             self.num_video_frames += prepared.num_frames

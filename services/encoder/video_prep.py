@@ -15,6 +15,7 @@ over the video's key and ``g``. The same clip sampled differently is another vid
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import torch
@@ -47,9 +48,11 @@ class VideoPreprocessor:
         header: VideoHeader,
         plan: VideoPlan,
         cache: EmbeddingCache | None,
+        deadline: float = math.inf,
     ) -> PreparedVideo:
-        """Decode the plan's frames, key the video, and cut each uncached group's patches."""
-        frames = self.sampled_frames(data, header, plan)
+        """Decode the plan's frames, key the video, and cut each uncached group's patches;
+        ``DeadlineExpired`` when ``deadline`` (``time.monotonic``) passes while decoding."""
+        frames = self.sampled_frames(data, header, plan, deadline)
         key = self._key(plan, frames)
         tp = self.temporal_patch_size
         _, grid_h, grid_w = plan.grid_thw
@@ -73,7 +76,9 @@ class VideoPreprocessor:
             num_frames=len(plan.indices),
         )
 
-    def sampled_frames(self, data: bytes, header: VideoHeader, plan: VideoPlan) -> list[np.ndarray]:
+    def sampled_frames(
+        self, data: bytes, header: VideoHeader, plan: VideoPlan, deadline: float = math.inf
+    ) -> list[np.ndarray]:
         """The plan's frames, decoded and resized: ``[height, width, 3]`` uint8 each, in the
         plan's order (a frame used twice appears twice)."""
         resized: dict[int, np.ndarray] = {}
@@ -85,7 +90,7 @@ class VideoPreprocessor:
                 img = img.resize(size, Image.Resampling.BICUBIC)
             resized[index] = np.asarray(img)
 
-        decode_frames(data, header, list(plan.indices), keep)
+        decode_frames(data, header, list(plan.indices), keep, deadline)
         return [resized[i] for i in plan.indices]
 
     def cut(self, frames: list[np.ndarray]) -> torch.Tensor:
