@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
 import httpx
@@ -26,11 +27,14 @@ def long_clip() -> bytes:
     return make_video(num_frames=240, width=96, height=72, fps=4, seed=21)  # 60 s
 
 
+DEADLINE_S = 2.0
+
+
 @pytest.fixture(scope="module")
 def slow_clip() -> bytes:
-    """300 s of 640x480 (600 frames sampled at 2 fps): its decode takes seconds (~5 s here),
-    many times the deadlines below."""
-    return make_video(num_frames=1200, width=640, height=480, fps=4, seed=23)
+    """300 s of 320x240 (600 frames sampled at 2 fps): its decode lasts far longer than the
+    few milliseconds the test needs to see it start."""
+    return make_video(num_frames=1200, width=320, height=240, fps=4, seed=23)
 
 
 def streaming(request_: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
@@ -81,45 +85,57 @@ def test_client_cancel_and_encoder_killed_mid_video(tiny_model_dir, stack_factor
     stack.wait_no_leaks()
 
 
+def decoding(stack) -> bool:
+    """The encoder holds the video's patch bytes and no room yet: it is inside ``accept``,
+    decoding the video."""
+    load = stack.encoder_load()
+    return load.queued_pixel_bytes > 0 and load.num_queued_requests == 0
+
+
+def grpc_outcome(client, clip: bytes) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        client.unary_request(request(clip), timeout=DEADLINE_S)
+    return info.value.code().name
+
+
+def http_outcome(http_url: str, clip: bytes) -> str:
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    video = {"type": "video_url", "video_url": {"url": url}}
+    content = [video, {"type": "text", "text": "What happens?"}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    headers = {"X-Request-Timeout": str(DEADLINE_S)}
+    reply = httpx.post(f"{http_url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    return f"{reply.status_code} {reply.json()['error']['code']}"
+
+
 def test_deadline_passing_while_the_video_decodes(tiny_model_dir, stack_factory, slow_clip):
-    """A 1 s deadline against seconds of decoding, over gRPC (DEADLINE_EXCEEDED) and HTTP
-    (``X-Request-Timeout``: 504): the request ends at its deadline while the encoder still
-    decodes; the encoder stops decoding there and drops the room (it says so in its log),
-    nothing stays held, and the next request is served."""
+    """The request's deadline passes while the encoder decodes the video, over gRPC
+    (DEADLINE_EXCEEDED) and HTTP (``X-Request-Timeout``: 504). To make that certain on any
+    machine, the encoder is paused (SIGSTOP) once it is decoding and resumed after the client
+    got its answer: it then stops decoding at its next frame and drops the room (its frames
+    never counted, its log says why), nothing stays held, and the next requests are served."""
     env, _ = video_env(ARCH)
     stack = stack_factory(tiny_model_dir(ARCH), env=env, http_port=0)
-    url = "data:video/mp4;base64," + base64.b64encode(slow_clip).decode()
-    body = {
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "video_url", "video_url": {"url": url}},
-                    {"type": "text", "text": "What happens?"},
-                ],
-            }
-        ],
-        "max_tokens": 4,
-    }
-    with stack.client() as client:
-        for api in ("grpc", "http"):
-            decoded = stack.encoder_load().num_video_frames
-            if api == "grpc":
-                with pytest.raises(grpc.RpcError) as info:
-                    client.unary_request(request(slow_clip), timeout=1.0)
-                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
-            else:
-                headers = {"X-Request-Timeout": "1"}
-                reply = httpx.post(
-                    stack.http_url + "/v1/chat/completions", json=body, headers=headers, timeout=60
-                )
-                assert reply.status_code == 504, reply.text
-                assert reply.json()["error"]["code"] == "deadline_exceeded"
-            stack.wait_no_leaks()  # the video's patch bytes stay reserved while it decodes
-            # the encoder stopped decoding at the deadline: the video's frames never counted
-            assert stack.encoder_load().num_video_frames == decoded
-        log = stack.encoders[0].log_path.read_text()
-        assert log.count("the deadline passed while decoding the video") == 2, log[-3000:]
+    encoder = stack.encoders[0]
+    with stack.client() as client, ThreadPoolExecutor(1) as pool:
+        sends = {
+            "DEADLINE_EXCEEDED": partial(grpc_outcome, client, slow_clip),
+            "504 deadline_exceeded": partial(http_outcome, stack.http_url, slow_clip),
+        }
+        for expected, send in sends.items():
+            num_frames = stack.encoder_load().num_video_frames
+            done = pool.submit(send)
+            wait_for(lambda: decoding(stack), 30, "the encoder to decode the video")
+            encoder.kill(signal.SIGSTOP)
+            try:
+                assert done.result(timeout=60) == expected
+            finally:
+                encoder.kill(signal.SIGCONT)
+            stack.wait_no_leaks()  # the patch bytes stay reserved until the decode stops
+            assert stack.encoder_load().num_video_frames == num_frames
+            stack.wait_registered(30)
+        log = encoder.log_path.read_text()
+        assert log.count("dropped: the deadline passed while decoding the video") == 2, log[-3000:]
         reply = client.unary_request(request(make_video(num_frames=8)), timeout=120)
         assert reply.token_ids
         assert client.generate("Hello there", [], max_tokens=4, timeout=60).token_ids
