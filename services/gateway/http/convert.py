@@ -112,7 +112,8 @@ class FieldNames:
                 json_name = self.renamed.get(name) or SAMPLING_NAMES[name]
             return json_name + (f"[{rest}" if rest else "")
         out, message = [], -1
-        for name, index in SEGMENT.findall(path):
+        segments = SEGMENT.findall(path)
+        for k, (name, index) in enumerate(segments):
             if name == "messages":
                 message = int(index) if index else -1
                 out.append(f"messages[{index}]" if index else "messages")
@@ -123,6 +124,9 @@ class FieldNames:
                 out.append("image_url")
             elif name == "video":
                 out.append("video_url")
+            elif name == "sampling" and out and out[-1] == "video_url":
+                out.extend(key for key, _ in segments[k + 1 :])  # a key beside the url
+                break
             elif out and out[-1] in ("image_url", "video_url"):
                 out.append("url")  # data, base64, path or url: the one URL it came as
                 if out[-2] == "video_url":
