@@ -273,6 +273,27 @@ def panels() -> list[dict]:
             "ops",
             "Entries evicted from the embedding caches per second.",
         ),
+        timeseries(
+            "Video frames and videos",
+            [
+                target(
+                    f"sum by (instance) ({rate('epd_encoder_video_frames_total')})",
+                    "frames/s {{instance}}",
+                ),
+                target(f"sum({rate('epd_encoder_video_decode_seconds_count')})", "videos/s (all)"),
+            ],
+            "short",
+            "Video frames sampled and decoded per second by each encoder, and videos per second.",
+        ),
+        timeseries(
+            "Video decode time",
+            [
+                *quantiles("epd_encoder_video_decode_seconds"),
+                mean("epd_encoder_video_decode_seconds"),
+            ],
+            "s",
+            "Seconds per video: probe, decode of the sampled frames, resize and patches.",
+        ),
         row("Transfer (Mooncake)"),
         timeseries(
             "Transfer throughput",

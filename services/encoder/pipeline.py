@@ -23,6 +23,7 @@ is ``{"type": "video", "video": VideoInput | bytes | str}``.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -116,16 +117,22 @@ class EncoderPipeline:
         messages: Sequence,
         images: Sequence[ImageInput] = (),
         limits: RequestLimits | None = None,
+        deadline: float = math.inf,
     ) -> Prompt:
-        """Validate and tokenize a request; raises ``InvalidInput`` naming the problem."""
+        """Validate and tokenize a request; raises ``InvalidInput`` naming the problem, and
+        ``DeadlineExpired`` when ``deadline`` (``time.monotonic``) passes while a video decodes."""
         start = time.perf_counter()
-        prompt = self._prepare(messages, images, limits)
+        prompt = self._prepare(messages, images, limits, deadline)
         if self.on_prepare is not None:
             self.on_prepare(time.perf_counter() - start)
         return prompt
 
     def _prepare(
-        self, messages: Sequence, images: Sequence[ImageInput], limits: RequestLimits | None
+        self,
+        messages: Sequence,
+        images: Sequence[ImageInput],
+        limits: RequestLimits | None,
+        deadline: float,
     ) -> Prompt:
         """Every check the headers and the text allow comes before any pixel is decoded."""
         limits = limits or RequestLimits()
@@ -153,7 +160,7 @@ class EncoderPipeline:
                 f"{self.budget.capacity_bytes / MIB:.0f} MiB are queued"
             )
         try:
-            prompt = self.prompts.build(ids, self._decode(opened))
+            prompt = self.prompts.build(ids, self._decode(opened, deadline))
         except BaseException:
             self.budget.release(need)
             raise
@@ -194,14 +201,14 @@ class EncoderPipeline:
             num_images += 1
         return out
 
-    def _decode(self, opened: list[OpenedItem]) -> list[MediaItem]:
+    def _decode(self, opened: list[OpenedItem], deadline: float) -> list[MediaItem]:
         """Decode, key and (on a cache miss) cut into patches; one object per distinct item.
         An item whose bytes were seen before and whose rows are cached is not decoded."""
         by_key: dict[bytes, MediaItem] = {}
         out: list[MediaItem] = []
         for item in opened:
             if isinstance(item.opened, OpenedVideo):
-                media = self._decode_video(item.opened, item.plan, item.index)
+                media = self._decode_video(item.opened, item.plan, item.index, deadline)
             else:
                 media = self._decode_image(item.opened, item.index, by_key)
             media = by_key.setdefault(media.key, media)  # the same item twice: one object
@@ -234,7 +241,9 @@ class EncoderPipeline:
             return self.preprocessor.cached(rows, key, img.width, img.height)
         return self.preprocessor.prepare(img, key)
 
-    def _decode_video(self, video: OpenedVideo, plan: VideoPlan, index: int) -> PreparedVideo:
+    def _decode_video(
+        self, video: OpenedVideo, plan: VideoPlan, index: int, deadline: float
+    ) -> PreparedVideo:
         digest = None
         if self.source_keys is not None:
             digest = source_digest(b"video", video.data, VideoPreprocessor.plan_meta(plan))
@@ -245,7 +254,7 @@ class EncoderPipeline:
                     return prepared
         start = time.perf_counter()
         with naming(index, "video"):
-            prepared = self.videos.prepare(video.data, video.header, plan, self.cache)
+            prepared = self.videos.prepare(video.data, video.header, plan, self.cache, deadline)
         seconds = time.perf_counter() - start
         if digest is not None:
             self.source_keys.put(digest, Decoded(prepared.key))

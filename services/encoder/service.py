@@ -2,7 +2,8 @@
 
 ``accept`` runs synchronously on the caller's thread: queue bound, intake, validation, resize,
 tokenization and positions. A bad request raises ``InvalidInput`` and nothing is queued; a full
-queue or pixel budget raises ``Overloaded``. Either way the room is failed at the sender, so a
+queue or pixel budget raises ``Overloaded``; a deadline passing while a video decodes stops the
+decode there and raises ``DeadlineExpired``. Either way the room is failed at the sender, so a
 language worker already waiting on it learns at once. An accepted room gets its deadline (the
 request's ``timeout_s``, else ``default_timeout_s``), announced to the sender (``expect``); its
 images go to the ViT loop (dropped unencoded if the deadline passes first); when its rows are
@@ -99,7 +100,8 @@ class EncoderService:
     def accept(self, request: EncodeRequest) -> Accepted:
         """Validate and queue ``request``.
 
-        Raises ``InvalidInput``, ``Overloaded`` or ``RoomInUse``.
+        Raises ``InvalidInput``, ``Overloaded``, ``RoomInUse`` or ``DeadlineExpired`` (the
+        request's deadline passed while its video decoded).
         """
         room = request.room
         self._check_new(room)
@@ -107,8 +109,10 @@ class EncoderService:
             deadline = self._deadline(request.timeout_s)
             if self.rooms.num_active() >= self.config.max_queued_requests:
                 raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
-            prompt = self.pipeline.prepare(request.messages, (), request.limits)
-        except (InvalidInput, Overloaded) as exc:
+            prompt = self.pipeline.prepare(request.messages, (), request.limits, deadline)
+        except (InvalidInput, Overloaded, DeadlineExpired) as exc:
+            if isinstance(exc, DeadlineExpired):
+                logger.info("room %d dropped: %s", room, exc)
             self._reject(room, str(exc))
             raise
         task = self.pipeline.make_task(prompt, self._on_encoded(room), deadline)

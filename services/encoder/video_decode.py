@@ -9,10 +9,12 @@ Two steps, so limits come before pixels:
   count that disagrees with the packets is a lying header and is refused.
 * ``decode_frames`` decodes the stream once, front to back, and hands each wanted frame (by
   index) to a callback as 8-bit RGB; frames not wanted are decoded (the codec needs them) but
-  never converted. Every frame must have the header's size.
+  never converted. Every frame must have the header's size. Past its ``deadline`` (the
+  request's, ``time.monotonic``) it stops between two frames with ``DeadlineExpired``: a long
+  clip is not decoded for a request that already ended.
 
-Every failure is an ``InvalidInput``: corrupt, truncated, audio-only, unsupported, zero frames,
-over a limit, or lying about its length.
+Every other failure is an ``InvalidInput``: corrupt, truncated, audio-only, unsupported, zero
+frames, over a limit, or lying about its length.
 
 NOTE: only the container demuxers in ``CONTAINERS`` are ever used (FFmpeg's
 ``format_whitelist``): playlist and concat demuxers (HLS, ffconcat) would otherwise open the
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -31,7 +35,7 @@ import av
 import numpy as np
 
 from .decode import DecodeLimits, check_size
-from .errors import InvalidInput
+from .errors import DeadlineExpired, InvalidInput
 
 CONTAINERS = "mov,mp4,matroska,webm,avi,mpegts,flv,ogg"  # demuxers a video may use
 # What PyAV raises on bytes it cannot make sense of (text it cannot decode is a ValueError).
@@ -116,9 +120,11 @@ def decode_frames(
     header: VideoHeader,
     wanted: list[int],
     on_frame: Callable[[int, np.ndarray], None],
+    deadline: float = math.inf,
 ) -> None:
     """Decode ``data`` and call ``on_frame(index, rgb [H, W, 3] uint8)`` for every frame index
-    in ``wanted`` (ascending; repeats allowed), in order."""
+    in ``wanted`` (ascending; repeats allowed), in order; ``DeadlineExpired`` once
+    ``time.monotonic()`` passes ``deadline``."""
     if not wanted:
         return
     todo = sorted(set(wanted))
@@ -127,6 +133,11 @@ def decode_frames(
         stream.thread_type = "AUTO"
         index, pos = 0, 0
         for frame in container.decode(stream):
+            if time.monotonic() > deadline:
+                raise DeadlineExpired(
+                    f"the deadline passed while decoding the video (frame {index} of "
+                    f"{header.num_frames})"
+                )
             if index == todo[pos]:
                 if (frame.width, frame.height) != (header.width, header.height):
                     raise InvalidInput(

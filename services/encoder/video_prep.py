@@ -15,6 +15,7 @@ over the video's key and ``g``. The same clip sampled differently is another vid
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import torch
@@ -47,9 +48,11 @@ class VideoPreprocessor:
         header: VideoHeader,
         plan: VideoPlan,
         cache: EmbeddingCache | None,
+        deadline: float = math.inf,
     ) -> PreparedVideo:
-        """Decode the plan's frames, key the video, and cut each uncached group's patches."""
-        frames = self.sampled_frames(data, header, plan)
+        """Decode the plan's frames, key the video, and cut each uncached group's patches;
+        ``DeadlineExpired`` when ``deadline`` (``time.monotonic``) passes while decoding."""
+        frames = self.sampled_frames(data, header, plan, deadline)
         key = self._key(plan, frames)
         tp = self.temporal_patch_size
         groups = []
@@ -109,7 +112,9 @@ class VideoPreprocessor:
         }
         return b"video:" + json.dumps(meta, sort_keys=True).encode()
 
-    def sampled_frames(self, data: bytes, header: VideoHeader, plan: VideoPlan) -> list[np.ndarray]:
+    def sampled_frames(
+        self, data: bytes, header: VideoHeader, plan: VideoPlan, deadline: float = math.inf
+    ) -> list[np.ndarray]:
         """The plan's frames, decoded and resized: ``[height, width, 3]`` uint8 each, in the
         plan's order (a frame used twice appears twice)."""
         resized: dict[int, np.ndarray] = {}
@@ -121,7 +126,7 @@ class VideoPreprocessor:
                 img = img.resize(size, Image.Resampling.BICUBIC)
             resized[index] = np.asarray(img)
 
-        decode_frames(data, header, list(plan.indices), keep)
+        decode_frames(data, header, list(plan.indices), keep, deadline)
         return [resized[i] for i in plan.indices]
 
     def cut(self, frames: list[np.ndarray]) -> torch.Tensor:

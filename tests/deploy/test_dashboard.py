@@ -36,6 +36,8 @@ METRICS = {
     "epd_encoder_cache_misses_total": "counter",
     "epd_encoder_cache_evictions_total": "counter",
     "epd_encoder_cache_bytes": "gauge",
+    "epd_encoder_video_frames_total": "counter",
+    "epd_encoder_video_decode_seconds": "histogram",
     # transfer (label side="sender"|"receiver")
     "epd_transfer_bytes_total": "counter",
     "epd_transfer_seconds": "histogram",

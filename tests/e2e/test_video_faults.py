@@ -1,14 +1,17 @@
 """Faults mid-video through a real stack: a long clip is decoded, encoded frame group by frame
-group and shipped in continuations; the client cancelling, or the encoder being SIGKILLed,
-while that happens ends the request alone with a clear status, and nothing stays held (blocks,
-rooms, patch bytes, radix locks)."""
+group and shipped in continuations; the client cancelling, the encoder being SIGKILLed, or the
+request's deadline passing while that happens ends the request alone with a clear status, and
+nothing stays held (blocks, rooms, patch bytes, radix locks)."""
 
 from __future__ import annotations
 
+import base64
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
+import httpx
 import pytest
 
 from protos.epd.v1 import gateway_pb2
@@ -22,6 +25,16 @@ ARCH = "qwen2_5_vl"
 @pytest.fixture(scope="module")
 def long_clip() -> bytes:
     return make_video(num_frames=240, width=96, height=72, fps=4, seed=21)  # 60 s
+
+
+DEADLINE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def slow_clip() -> bytes:
+    """300 s of 320x240 (600 frames sampled at 2 fps): its decode lasts far longer than the
+    few milliseconds the test needs to see it start."""
+    return make_video(num_frames=1200, width=320, height=240, fps=4, seed=23)
 
 
 def streaming(request_: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
@@ -69,4 +82,61 @@ def test_client_cancel_and_encoder_killed_mid_video(tiny_model_dir, stack_factor
         victim.proc.wait(10)
         reply = client.generate("Hello there", [], max_tokens=4, timeout=60)
         assert reply.token_ids
+    stack.wait_no_leaks()
+
+
+def decoding(stack) -> bool:
+    """The encoder holds the video's patch bytes and no room yet: it is inside ``accept``,
+    decoding the video."""
+    load = stack.encoder_load()
+    return load.queued_pixel_bytes > 0 and load.num_queued_requests == 0
+
+
+def grpc_outcome(client, clip: bytes) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        client.unary_request(request(clip), timeout=DEADLINE_S)
+    return info.value.code().name
+
+
+def http_outcome(http_url: str, clip: bytes) -> str:
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    video = {"type": "video_url", "video_url": {"url": url}}
+    content = [video, {"type": "text", "text": "What happens?"}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    headers = {"X-Request-Timeout": str(DEADLINE_S)}
+    reply = httpx.post(f"{http_url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    return f"{reply.status_code} {reply.json()['error']['code']}"
+
+
+def test_deadline_passing_while_the_video_decodes(tiny_model_dir, stack_factory, slow_clip):
+    """The request's deadline passes while the encoder decodes the video, over gRPC
+    (DEADLINE_EXCEEDED) and HTTP (``X-Request-Timeout``: 504). To make that certain on any
+    machine, the encoder is paused (SIGSTOP) once it is decoding and resumed after the client
+    got its answer: it then stops decoding at its next frame and drops the room (its frames
+    never counted, its log says why), nothing stays held, and the next requests are served."""
+    env, _ = video_env(ARCH)
+    stack = stack_factory(tiny_model_dir(ARCH), env=env, http_port=0)
+    encoder = stack.encoders[0]
+    with stack.client() as client, ThreadPoolExecutor(1) as pool:
+        sends = {
+            "DEADLINE_EXCEEDED": partial(grpc_outcome, client, slow_clip),
+            "504 deadline_exceeded": partial(http_outcome, stack.http_url, slow_clip),
+        }
+        for expected, send in sends.items():
+            num_frames = stack.encoder_load().num_video_frames
+            done = pool.submit(send)
+            wait_for(lambda: decoding(stack), 30, "the encoder to decode the video")
+            encoder.kill(signal.SIGSTOP)
+            try:
+                assert done.result(timeout=60) == expected
+            finally:
+                encoder.kill(signal.SIGCONT)
+            stack.wait_no_leaks()  # the patch bytes stay reserved until the decode stops
+            assert stack.encoder_load().num_video_frames == num_frames
+            stack.wait_registered(30)
+        log = encoder.log_path.read_text()
+        assert log.count("dropped: the deadline passed while decoding the video") == 2, log[-3000:]
+        reply = client.unary_request(request(make_video(num_frames=8)), timeout=120)
+        assert reply.token_ids
+        assert client.generate("Hello there", [], max_tokens=4, timeout=60).token_ids
     stack.wait_no_leaks()

@@ -6,12 +6,13 @@ from __future__ import annotations
 import base64
 import dataclasses
 import struct
+import time
 
 import numpy as np
 import pytest
 
 from services.encoder.config import EncoderConfig
-from services.encoder.errors import InvalidInput
+from services.encoder.errors import DeadlineExpired, InvalidInput
 from services.encoder.intake import VideoIntake
 from services.encoder.pipeline import EncoderPipeline
 from services.encoder.types import (
@@ -129,6 +130,20 @@ def test_too_many_videos_and_prompt_too_long(video_pipeline):
     dense = VideoInput(long, VideoSampling(min_pixels=200_000, max_pixels=300_000))
     message = refused(video_pipeline, request(dense))
     assert "tokens" in message and "1 video), more than the limit of 4096" in message
+
+
+def test_a_passed_deadline_stops_the_decode(video_pipeline):
+    """The request's deadline is checked between frames: past it, nothing more is decoded,
+    nothing is counted and the pixel budget is given back; a later deadline is met."""
+    messages = request(VideoInput(make_video(num_frames=8, seed=4)))
+    frames, _ = video_pipeline.video_totals()
+    with pytest.raises(DeadlineExpired, match="deadline passed while decoding the video"):
+        video_pipeline.prepare(messages, deadline=time.monotonic() - 1)
+    assert video_pipeline.budget.used_bytes == 0
+    assert video_pipeline.video_totals()[0] == frames
+    prompt = video_pipeline.prepare(messages, deadline=time.monotonic() + 60)
+    assert video_pipeline.video_totals()[0] == frames + 4
+    video_pipeline.discard(prompt)
 
 
 def test_sources_like_images(video_pipeline, tmp_path):

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from prometheus_client import generate_latest
 from test_encoder_service import FakeSender, _hold_vit, _idle, _service, until
 
 from services.encoder.convert import load_to_proto
+from services.encoder.errors import DeadlineExpired
 from services.encoder.metrics import create_registry
 from services.encoder.types import (
     ChatMessage,
@@ -85,16 +87,17 @@ def test_cancelled_video_gives_its_patch_bytes_back(qwen25_dir):
 
 def test_deadline_passing_during_intake_fails_the_room_and_frees_it(qwen25_dir):
     """The deadline passes while the video is decoded (the request left no time at all): the
-    ViT loop drops the room unencoded, the sender fails it, its patch bytes come back."""
+    decode stops there, ``accept`` raises, the sender fails the room, its patch bytes come
+    back and no room is left behind."""
     sender = FakeSender()
     service = _service(qwen25_dir, sender)
     try:
         request = video_request(1)
         request = EncodeRequest(request.room, request.request_id, request.messages, timeout_s=1e-9)
-        service.accept(request)
-        record = service.wait(1, RoomStatus.SHIPPED, 30)
-        assert record.status == RoomStatus.FAILED and "deadline" in record.error
-        assert "deadline" in sender.failed[1]
+        with pytest.raises(DeadlineExpired, match="while decoding the video"):
+            service.accept(request)
+        assert "deadline passed while decoding the video" in sender.failed[1]
+        assert service.load().num_queued_requests == 0
         assert until(lambda: service.load().queued_pixel_bytes == 0)
         _idle(service)
     finally:

@@ -16,6 +16,7 @@ import pytest
 
 from common.procs import free_port
 from tests.e2e.conftest import noise_image, png_bytes
+from tests.media import make_video
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
@@ -108,20 +109,24 @@ def test_series_and_dashboard_queries_after_traffic(scraped_stack) -> None:
             client.generate("Describe the image.", [image], max_tokens=6, timeout=60)
         client.generate("What is this?", [png_bytes(noise_image(4, 112))], max_tokens=6, timeout=60)
         client.generate("Hello", max_tokens=6, timeout=60)
+        clip = make_video(num_frames=8, fps=4)  # 2 s at the default 2 fps: 4 frames
+        client.generate("What happens?", videos=[clip], max_tokens=6, timeout=60)
     hello = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6}
     reply = httpx.post(stack.http_url + "/v1/chat/completions", json=hello, timeout=60)
     assert reply.status_code == 200, reply.text
-    ok = prom.wait_for('sum(epd_gateway_requests_total{outcome="OK"})', lambda v: v == 5)
-    assert ok == 5
+    ok = prom.wait_for('sum(epd_gateway_requests_total{outcome="OK"})', lambda v: v == 6)
+    assert ok == 6
     time.sleep(2.5)  # two more scrapes: every rate() window now holds the traffic
 
-    assert prom.value('sum(epd_gateway_requests_total{api="grpc"})') == 4
+    assert prom.value('sum(epd_gateway_requests_total{api="grpc"})') == 5
     assert prom.value('sum(epd_gateway_requests_total{api="http"})') == 1
-    assert prom.value("sum(epd_gateway_time_to_first_token_seconds_count)") == 5
+    assert prom.value("sum(epd_gateway_time_to_first_token_seconds_count)") == 6
     assert prom.value('sum(epd_gateway_workers{state="healthy"})') == 2
     assert prom.value("epd_encoder_cache_hits_total") == 1
-    assert prom.value("epd_encoder_cache_misses_total") == 2
+    assert prom.value("epd_encoder_cache_misses_total") == 2 + 2  # the images, the video's groups
     assert prom.value("sum(epd_encoder_batch_size_count)") >= 2
+    assert prom.value("epd_encoder_video_frames_total") == 4
+    assert prom.value("epd_encoder_video_decode_seconds_count") == 1
     sent = prom.value('epd_transfer_bytes_total{side="sender"}')
     received = prom.value('epd_transfer_bytes_total{side="receiver"}')
     assert received > 0 and sent >= received  # the sender also counts the aux records

@@ -12,6 +12,9 @@ this server does not do), values the proto cannot hold (negative or out-of-range
 as unset) and ``min_tokens`` past ``max_tokens`` (named as the request names it). Every other
 bound is the gateway's validation's (``validation.validate_request``).
 
+Video sampling (``mm_processor_kwargs`` and the keys of a ``video_url`` beside its ``url``)
+is checked and merged by ``video_sampling.py``.
+
 Image URLs: a ``data:`` URL must be base64 (``data:image/png;base64,...``) and travels as
 ``ImageSource.base64``; an ``http(s)`` URL travels as ``ImageSource.url`` and the encoders'
 URL policy decides (off by default). Sampling defaults are OpenAI's (temperature 1, top_p 1).
@@ -29,6 +32,11 @@ from protos.epd.v1 import common_pb2, gateway_pb2
 from services.gateway.http.errors import HttpError, invalid
 from services.gateway.http.schemas import ChatCompletionRequest, SamplingFields
 from services.gateway.http.structured import structured_output
+from services.gateway.http.video_sampling import (
+    apply_request_sampling,
+    part_sampling,
+    request_sampling,
+)
 from services.gateway.validation import MAX_TOP_LOGPROBS, RequestLimits
 
 MAX_UINT32 = (1 << 32) - 1
@@ -104,7 +112,8 @@ class FieldNames:
                 json_name = self.renamed.get(name) or SAMPLING_NAMES[name]
             return json_name + (f"[{rest}" if rest else "")
         out, message = [], -1
-        for name, index in SEGMENT.findall(path):
+        segments = SEGMENT.findall(path)
+        for k, (name, index) in enumerate(segments):
             if name == "messages":
                 message = int(index) if index else -1
                 out.append(f"messages[{index}]" if index else "messages")
@@ -115,6 +124,9 @@ class FieldNames:
                 out.append("image_url")
             elif name == "video":
                 out.append("video_url")
+            elif name == "sampling" and out and out[-1] == "video_url":
+                out.extend(key for key, _ in segments[k + 1 :])  # a key beside the url
+                break
             elif out and out[-1] in ("image_url", "video_url"):
                 out.append("url")  # data, base64, path or url: the one URL it came as
                 if out[-2] == "video_url":
@@ -146,7 +158,9 @@ def to_generate_request(
     _check_http_only(body)
     _check_counts(body.messages, limits)
     names = FieldNames()
+    video_sampling = request_sampling(body.mm_processor_kwargs)
     messages = [_message(m, i, names) for i, m in enumerate(body.messages)]
+    apply_request_sampling(messages, video_sampling)
     sampling = sampling_of(body, limits, names)
     sampling.logprobs = bool(body.logprobs)
     sampling.top_logprobs = body.top_logprobs or 0
@@ -316,7 +330,8 @@ def _part(raw: Any, where: str) -> common_pb2.ContentPart:
     if kind == "video_url":
         url = _media_url(raw, where, kind)
         source = image_source(url, f"{where}.video_url.url", "video", "video/mp4")
-        return common_pb2.ContentPart(video=common_pb2.VideoPart(source=source))
+        sampling = part_sampling(raw[kind], f"{where}.video_url")
+        return common_pb2.ContentPart(video=common_pb2.VideoPart(source=source, sampling=sampling))
     raise invalid(
         f"{where}.type must be 'text', 'image_url' or 'video_url', got {kind!r}"
         if kind is not None

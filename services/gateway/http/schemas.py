@@ -25,6 +25,7 @@ from common.sampling_bounds import (
     MAX_N,
     MAX_REPETITION_PENALTY,
 )
+from services.gateway.http.video_sampling import MM_PROCESSOR_KWARGS_SCHEMA, key_schemas
 from services.gateway.validation import MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 
 MAX_SEED = (1 << 64) - 1
@@ -69,10 +70,14 @@ VIDEO_PART = {
                 "url": {
                     "type": "string",
                     "description": "a data: URL (data:video/mp4;base64,...), or an http(s) URL "
-                    "when the encoders allow remote media; sampled with the encoders' defaults",
+                    "when the encoders allow remote media",
                 },
+                **key_schemas(),
             },
             "required": ["url"],
+            "additionalProperties": False,
+            "description": "url, and optionally this video's sampling (each key wins over the "
+            "same key of mm_processor_kwargs; unset keys: the encoders' defaults)",
         },
     },
     "required": ["type", "video_url"],
@@ -259,6 +264,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = Field(
         None, description="auto, none, required, or {type: function, function: {name}}"
     )
+    # checked by ``video_sampling.py`` (a 400 naming the key), like ``messages``
+    mm_processor_kwargs: Annotated[Any, WithJsonSchema(MM_PROCESSOR_KWARGS_SCHEMA)] = None
 
 
 TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
