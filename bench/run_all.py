@@ -23,6 +23,7 @@ PARTS = (
     (f"encoder, {BENCH}", ["-m", "bench.encoder", "--size", "bench"]),
     ("language engine vs transformers", ["-m", "bench.language"]),
     (f"language engine vs transformers, {BENCH}", ["-m", "bench.language", "--size", "bench"]),
+    ("decode beside a long context: grouped by KV length or not", ["-m", "bench.decode_groups"]),
     ("end to end through the gateway vs transformers", ["-m", "bench.e2e"]),
     (f"end to end vs transformers, {BENCH}", ["-m", "bench.e2e", "--size", "bench"]),
     ("tail latency under load: mixed workload at concurrency 16 and 64", ["-m", "bench.tail"]),

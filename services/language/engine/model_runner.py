@@ -2,10 +2,12 @@
 
 Decode tokens (one generated token each) come first in the flat batch and are gathered for all
 requests at once from plain Python values: per-request tensor work is what dominates a decode
-step of a small model. Prefill chunks follow; each one's inputs are gathered on its own, and a
-chunk whose inputs cannot be built (a bad prompt) is left out of the batch and reported in
-``RunResult.failed``, so it fails its request alone. An exception from the forward itself
-(device, model) propagates: the whole batch failed.
+step of a small model. They come as groups of similar KV length, shortest first (see
+``decode_groups.py``): ``RunResult.chunks`` lists them in that row order, which is the order of
+their logits, not the order the scheduler gave. Prefill chunks follow; each one's inputs are
+gathered on its own, and a chunk whose inputs cannot be built (a bad prompt) is left out of the
+batch and reported in ``RunResult.failed``, so it fails its request alone. An exception from the
+forward itself (device, model) propagates: the whole batch failed.
 
 A prefill chunk of a request that asks for prompt log-probabilities needs the logits of its
 prompt rows, not only of its last: the forward then returns every row's hidden states, and the
@@ -20,11 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.language.engine.decode_groups import group_by_kv_len, pad_decode_group
 from services.language.engine.request import Request
 from services.language.engine.sampling import PROMPT_LOGPROB_ROWS, TokenLogprob, token_logprobs
 from services.language.engine.scheduler import ScheduledChunk
 from services.language.kvcache.pool import KVPool
-from services.language.model.batch import DecodeGroup, ExtendSegment, ForwardBatch
+from services.language.model.batch import ExtendSegment, ForwardBatch
 from services.language.model.qwen import QwenTextModel
 
 
@@ -75,18 +78,23 @@ class ModelRunner:
         self.device = device
         self.dtype = next(model.parameters()).dtype
 
-    def build_batch(self, decodes: list[ScheduledChunk], parts: list[ChunkInputs]) -> ForwardBatch:
-        """Flat rows: the decode tokens, then the chunks; logits of the decode rows and of the
-        chunks with ``sample``, in that order."""
-        ids, pos, kv_slots = [], [], []
-        for chunk in decodes:
-            req = chunk.req
-            ids.append(req.output_ids[chunk.start - req.prompt_len])
-            pos.append(chunk.start + req.inputs.mrope_delta)
-            kv_slots.append(req.slots[: chunk.end])
-        decode = self._decode_group(kv_slots)
-        extends, logit_rows = [], list(range(len(decodes)))
-        row = len(decodes)
+    def build_batch(
+        self, decode_groups: list[list[ScheduledChunk]], parts: list[ChunkInputs]
+    ) -> ForwardBatch:
+        """Flat rows: the decode tokens group by group, then the chunks; logits of the decode
+        rows and of the chunks with ``sample``, in that order."""
+        ids, pos, groups = [], [], []
+        for members in decode_groups:
+            kv_slots = []
+            for chunk in members:
+                req = chunk.req
+                ids.append(req.output_ids[chunk.start - req.prompt_len])
+                pos.append(chunk.start + req.inputs.mrope_delta)
+                kv_slots.append(req.slots[: chunk.end])
+            start = len(ids) - len(members)
+            groups.append(pad_decode_group(start, kv_slots, self.dtype, self.device))
+        extends, logit_rows = [], list(range(len(ids)))
+        row = len(ids)
         for part in parts:
             num = part.chunk.end - part.chunk.start
             extends.append(ExtendSegment(row, num, part.kv_slots.to(self.device)))
@@ -96,7 +104,7 @@ class ModelRunner:
         fill_ids = [torch.tensor(ids, dtype=torch.long)] + [p.fill_ids for p in parts]
         positions = [torch.tensor(pos, dtype=torch.long).expand(3, -1)]
         positions += [p.positions for p in parts]
-        out_slots = [decode.kv_slots[:, -1]] if decode is not None else []  # see _decode_group
+        out_slots = [g.kv_slots[:, -1] for g in groups]  # see pad_decode_group
         out_slots += [p.out_slots for p in parts]
         # NOTE: received rows are in the wire dtype (bf16 by default): cast to the model's here.
         image_rows = [p.image_rows.to(self.dtype) for p in parts if p.image_rows.shape[0]]
@@ -107,27 +115,8 @@ class ModelRunner:
             image_rows=rows,
             out_slots=torch.cat(out_slots).to(self.device),
             extends=extends,
-            decode=decode,
+            decode_groups=groups,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
-        )
-
-    def _decode_group(self, slots: list[torch.Tensor]) -> DecodeGroup | None:
-        """Decode requests' KV slots, left-padded to the longest: a pad repeats the request's
-        own first slot (always written, masked out), never a slot another request or nobody
-        wrote. Left padding keeps each request's newest slot, the one this step writes, in the
-        last column."""
-        if not slots:
-            return None
-        lens = torch.tensor([s.shape[0] for s in slots])
-        max_len = int(lens.max())
-        flat = torch.cat(slots)
-        firsts = flat[lens.cumsum(0) - lens]
-        padded = firsts[:, None].expand(-1, max_len).clone()
-        real = torch.arange(max_len)[None, :] >= (max_len - lens)[:, None]
-        padded[real] = flat  # the row-major order of ``real`` is the order of ``flat``
-        bias = torch.zeros(real.shape, dtype=self.dtype).masked_fill_(~real, float("-inf"))
-        return DecodeGroup(
-            kv_slots=padded.to(self.device), kv_bias=bias[:, None, None, :].to(self.device)
         )
 
     @torch.inference_mode()
@@ -144,7 +133,11 @@ class ModelRunner:
                 failed.append((chunk, exc))
         if not decodes and not parts:
             return RunResult([], torch.zeros(0, 0), failed)
-        batch = self.build_batch(decodes, parts)
+        decode_groups = [
+            [decodes[i] for i in group] for group in group_by_kv_len([c.end for c in decodes])
+        ]
+        decodes = [chunk for group in decode_groups for chunk in group]  # in row order
+        batch = self.build_batch(decode_groups, parts)
         chunks = decodes + [p.chunk for p in parts]
         if not any(p.chunk.req.wants_prompt_logprobs for p in parts):
             return RunResult(chunks, self.model(batch, self.kv_pool), failed)

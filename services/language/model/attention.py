@@ -2,10 +2,11 @@
 
 Prefill chunks attend causally with an offset: query ``i`` of a chunk that follows
 ``prefix_len`` cached tokens sees keys ``0 .. prefix_len + i``. Decode tokens see all their
-keys; they are padded into one call with an additive key mask (-inf at the pads). A decode
-query is one token, so the ``heads / kv_heads`` query heads that share a KV head are laid out
-as that head's query rows: SDPA then reads each K/V head once instead of a copy repeated per
-query head (GQA).
+keys; each group of decode requests of similar KV length (``DecodeGroup``) is padded into one
+call with an additive key mask (-inf at the pads), so a long request does not pad the short
+ones of other groups to its length. A decode query is one token, so the ``heads / kv_heads``
+query heads that share a KV head are laid out as that head's query rows: SDPA then reads each
+K/V head once instead of a copy repeated per query head (GQA).
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ def paged_attention(
                 qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
-    if batch.decode is not None:
-        num, max_len = batch.decode.kv_slots.shape
-        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-        qd = q[:num].view(num, kv_heads, -1, head_dim)  # [B, kv_heads, group, head_dim]
-        flat = batch.decode.kv_slots.view(-1)
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    for group in batch.decode_groups:
+        num, max_len = group.kv_slots.shape
+        rows = slice(group.row_start, group.row_start + num)
+        qd = q[rows].view(num, kv_heads, -1, head_dim)  # [n, kv_heads, heads / kv_heads, head_dim]
+        flat = group.kv_slots.view(-1)
         k = k_cache.index_select(0, flat).view(num, max_len, kv_heads, head_dim).transpose(1, 2)
         v = v_cache.index_select(0, flat).view(num, max_len, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode.kv_bias, scale=scale)
-        out[:num] = o.reshape(num, -1, head_dim)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.kv_bias, scale=scale)
+        out[rows] = o.reshape(num, -1, head_dim)
     return out

@@ -3,6 +3,10 @@
 Every step concatenates the new tokens of all scheduled requests (prefill chunks and decode
 tokens alike) into ``T`` rows. Attention is computed per request over its KV slots, which hold
 the cached prefix followed by the tokens of this step (written before attention runs).
+
+Row layout: the ``B`` decode tokens first, as consecutive ``DecodeGroup`` row ranges (requests
+of similar KV length, see ``services/language/engine/decode_groups.py``), then the prefill
+chunks, one ``ExtendSegment`` each.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ class ExtendSegment:
 @dataclass
 class DecodeGroup:
     """Requests with exactly one new token, attended in one padded SDPA call. Their tokens are
-    the first ``B`` rows of the flat batch, so queries and outputs are slices, not gathers."""
+    the ``n`` consecutive rows from ``row_start`` of the flat batch, so queries and outputs are
+    slices, not gathers."""
 
-    kv_slots: torch.Tensor  # long [B, max_kv_len], padded with each request's own first slot
-    # [B, 1, 1, max_kv_len] in the model's dtype, added to the scores: 0 at real keys, -inf at
+    row_start: int  # first row of the group in the flat batch
+    kv_slots: torch.Tensor  # long [n, max_kv_len], padded with each request's own first slot
+    # [n, 1, 1, max_kv_len] in the model's dtype, added to the scores: 0 at real keys, -inf at
     # pads (made once per step; a bool mask is converted to this by every attention call)
     kv_bias: torch.Tensor
 
@@ -45,7 +51,7 @@ class ForwardBatch:
     image_rows: torch.Tensor | None  # [num_image_tokens, hidden*(1+num_deepstack)], token order
     out_slots: torch.Tensor  # long [T]: where each new token's K/V is written
     extends: list[ExtendSegment]
-    decode: DecodeGroup | None
+    decode_groups: list[DecodeGroup]  # consecutive row ranges from row 0; empty: no decodes
     logit_rows: torch.Tensor  # long [S]: rows whose next-token logits are returned
 
     @property
@@ -54,6 +60,6 @@ class ForwardBatch:
 
     @property
     def num_keys(self) -> int:
-        """Cached keys the step's attention reads, the decode group's padding included."""
+        """Cached keys the step's attention reads, the decode groups' padding included."""
         keys = sum(int(seg.kv_slots.shape[0]) for seg in self.extends)
-        return keys + (int(self.decode.kv_slots.numel()) if self.decode is not None else 0)
+        return keys + sum(int(group.kv_slots.numel()) for group in self.decode_groups)

@@ -1,0 +1,128 @@
+"""Decode requests grouped by KV length (``services/language/engine/decode_groups.py``): where
+the groups are cut, attention over several padded groups == unpadded SDPA per request, and the
+engine's greedy tokens == transformers' when every distinct length is a group of its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.language.engine import decode_groups
+from services.language.engine.decode_groups import group_by_kv_len, pad_decode_group
+from services.language.engine.model_runner import ModelRunner
+from services.language.engine.sampling import SamplingParams
+from services.language.model.attention import paged_attention
+from services.language.model.batch import ForwardBatch
+from tests.language.conftest import make_image, run_to_completion, tokens_of
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
+# bf16: inputs are the same bf16 values as the fp32 reference's; the difference is the kernel's
+# bf16 arithmetic and the output's rounding (~2**-8 relative)
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def lens_of(groups: list[list[int]], kv_lens: list[int]) -> list[list[int]]:
+    return [[kv_lens[i] for i in group] for group in groups]
+
+
+@pytest.mark.parametrize(
+    "kv_lens,expected",
+    [
+        ([100], [[100]]),
+        ([7, 7, 7, 7], [[7, 7, 7, 7]]),
+        ([120, 100, 110, 130], [[100, 110, 120, 130]]),  # similar: one group, sorted
+        ([100] * 15 + [8192], [[100] * 15, [8192]]),
+        ([8192] + [100] * 15, [[100] * 15, [8192]]),  # the order given does not matter
+        ([8192, 8000, 4000, 3900, 128, 100], [[100, 128], [3900, 4000], [8000, 8192]]),
+        ([100, 128, 3900, 4000, 8000, 8192], [[100, 128], [3900, 4000], [8000, 8192]]),
+        ([10, 250], [[10, 250]]),  # padding within the slack: one call
+        ([10, 300], [[10], [300]]),
+        ([1000, 1200, 1600], [[1000, 1200], [1600]]),  # 2400 / 2200 joins, 4800 / 3800 cuts
+    ],
+)
+def test_groups_are_cut_where_padding_would_exceed_factor_and_slack(kv_lens, expected):
+    groups = group_by_kv_len(kv_lens)
+    assert lens_of(groups, kv_lens) == expected
+    assert sorted(i for group in groups for i in group) == list(range(len(kv_lens)))
+    for group in groups:
+        real = sum(kv_lens[i] for i in group)
+        padded = len(group) * max(kv_lens[i] for i in group)
+        assert padded <= decode_groups.MAX_PAD_FACTOR * real or (
+            padded - real <= decode_groups.PAD_SLACK_KEYS
+        )
+
+
+def test_ties_keep_the_order_given():
+    assert group_by_kv_len([5, 3, 5, 3]) == [[1, 3, 0, 2]]
+    assert group_by_kv_len([]) == []
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request's decode attention, unpadded, in fp32: q [heads, dim], k/v [len, kv, dim]."""
+    rep = HEADS // KV_HEADS
+    k = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)  # [heads, len, dim]
+    v = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+    return F.scaled_dot_product_attention(q.float()[:, None], k, v, scale=scale)[:, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_decode_attention_equals_unpadded_per_request(dtype):
+    gen = torch.Generator().manual_seed(0)
+    kv_lens = [40, 3000, 35, 2900, 1, 600, 40]
+    num_slots = sum(kv_lens) + 100
+    k_cache = torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    perm = torch.randperm(num_slots, generator=gen)  # scattered slots, as after eviction
+    slots = list(torch.split(perm[: sum(kv_lens)], kv_lens))
+    groups = group_by_kv_len(kv_lens)
+    assert len(groups) == 3  # the test covers several groups
+    order = [i for group in groups for i in group]
+    built, row = [], 0
+    for group in groups:
+        built.append(pad_decode_group(row, [slots[i] for i in group], dtype, torch.device("cpu")))
+        row += len(group)
+    q = torch.randn(len(kv_lens), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    batch = ForwardBatch(
+        fill_ids=torch.zeros(len(kv_lens), dtype=torch.long),
+        positions=torch.zeros(3, len(kv_lens), dtype=torch.long),
+        image_rows=None,
+        out_slots=torch.cat([g.kv_slots[:, -1] for g in built]),
+        extends=[],
+        decode_groups=built,
+        logit_rows=torch.arange(len(kv_lens)),
+    )
+    assert batch.num_keys == sum(g.kv_slots.numel() for g in built) < len(kv_lens) * max(kv_lens)
+    scale = HEAD_DIM**-0.5
+    out = paged_attention(q, k_cache, v_cache, batch, scale)
+    for row, i in enumerate(order):
+        want = reference(q[row], k_cache[slots[i]], v_cache[slots[i]], scale)
+        torch.testing.assert_close(out[row].float(), want, **TOL[dtype])
+
+
+def test_engine_with_a_group_per_length_matches_transformers(harness, monkeypatch):
+    h = harness("qwen2_5_vl")
+    cases = [
+        h.case("just text here", [], 10),
+        h.case("describe this picture in detail", [make_image(64, 48, 1)], 10),
+        h.case("what differs?", [make_image(64, 48, 5), make_image(80, 80, 6)], 10),
+        h.case("hello there, who are you?", [], 10),
+    ]
+    monkeypatch.setattr(decode_groups, "MAX_PAD_FACTOR", 1.0)
+    monkeypatch.setattr(decode_groups, "PAD_SLACK_KEYS", 0)  # each distinct length: a group
+    most_groups = 0
+    build_batch = ModelRunner.build_batch
+
+    def counting(self, groups, parts):
+        nonlocal most_groups
+        most_groups = max(most_groups, len(groups))
+        return build_batch(self, groups, parts)
+
+    monkeypatch.setattr(ModelRunner, "build_batch", counting)
+    engine = h.engine()
+    for i, case in enumerate(cases):
+        engine.add_request(f"g{i}", SamplingParams(max_new_tokens=10), case.inputs)
+    outputs = run_to_completion(engine)
+    assert most_groups == len(cases)
+    for i, case in enumerate(cases):
+        assert tokens_of(outputs[f"g{i}"]) == case.expected
