@@ -31,3 +31,8 @@ class RoomInUse(ValueError):
 
 class DeadlineExpired(RuntimeError):
     """The request's deadline passed before its work was done; the room is failed."""
+
+
+class RequestCancelled(RuntimeError):
+    """``Encoder.Cancel`` named the room while its ``Encode`` was still being accepted (its
+    video decoding): the work stopped there and the room is failed: CANCELLED."""

@@ -23,7 +23,6 @@ is ``{"type": "video", "video": VideoInput | bytes | str}``.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +42,7 @@ from .messages import normalize_messages
 from .preprocess import ImagePreprocessor
 from .prompt import MediaShape, PromptBuilder, template_messages
 from .source_keys import Decoded, SourceKeys, source_digest
+from .stop import StopCheck
 from .types import (
     EncodedPrompt,
     MediaItem,
@@ -117,12 +117,13 @@ class EncoderPipeline:
         messages: Sequence,
         images: Sequence[ImageInput] = (),
         limits: RequestLimits | None = None,
-        deadline: float = math.inf,
+        stop: StopCheck | None = None,
     ) -> Prompt:
         """Validate and tokenize a request; raises ``InvalidInput`` naming the problem, and
-        ``DeadlineExpired`` when ``deadline`` (``time.monotonic``) passes while a video decodes."""
+        ``DeadlineExpired`` or ``RequestCancelled`` when ``stop`` says so while a video decodes
+        (its deadline passed, its room was cancelled)."""
         start = time.perf_counter()
-        prompt = self._prepare(messages, images, limits, deadline)
+        prompt = self._prepare(messages, images, limits, stop)
         if self.on_prepare is not None:
             self.on_prepare(time.perf_counter() - start)
         return prompt
@@ -132,7 +133,7 @@ class EncoderPipeline:
         messages: Sequence,
         images: Sequence[ImageInput],
         limits: RequestLimits | None,
-        deadline: float,
+        stop: StopCheck | None,
     ) -> Prompt:
         """Every check the headers and the text allow comes before any pixel is decoded."""
         limits = limits or RequestLimits()
@@ -160,7 +161,7 @@ class EncoderPipeline:
                 f"{self.budget.capacity_bytes / MIB:.0f} MiB are queued"
             )
         try:
-            prompt = self.prompts.build(ids, self._decode(opened, deadline))
+            prompt = self.prompts.build(ids, self._decode(opened, stop))
         except BaseException:
             self.budget.release(need)
             raise
@@ -201,14 +202,14 @@ class EncoderPipeline:
             num_images += 1
         return out
 
-    def _decode(self, opened: list[OpenedItem], deadline: float) -> list[MediaItem]:
+    def _decode(self, opened: list[OpenedItem], stop: StopCheck | None) -> list[MediaItem]:
         """Decode, key and (on a cache miss) cut into patches; one object per distinct item.
         An item whose bytes were seen before and whose rows are cached is not decoded."""
         by_key: dict[bytes, MediaItem] = {}
         out: list[MediaItem] = []
         for item in opened:
             if isinstance(item.opened, OpenedVideo):
-                media = self._decode_video(item.opened, item.plan, item.index, deadline)
+                media = self._decode_video(item.opened, item.plan, item.index, stop)
             else:
                 media = self._decode_image(item.opened, item.index, by_key)
             media = by_key.setdefault(media.key, media)  # the same item twice: one object
@@ -242,7 +243,7 @@ class EncoderPipeline:
         return self.preprocessor.prepare(img, key)
 
     def _decode_video(
-        self, video: OpenedVideo, plan: VideoPlan, index: int, deadline: float
+        self, video: OpenedVideo, plan: VideoPlan, index: int, stop: StopCheck | None
     ) -> PreparedVideo:
         digest = None
         if self.source_keys is not None:
@@ -254,7 +255,7 @@ class EncoderPipeline:
                     return prepared
         start = time.perf_counter()
         with naming(index, "video"):
-            prepared = self.videos.prepare(video.data, video.header, plan, self.cache, deadline)
+            prepared = self.videos.prepare(video.data, video.header, plan, self.cache, stop)
         seconds = time.perf_counter() - start
         if digest is not None:
             self.source_keys.put(digest, Decoded(prepared.key))

@@ -7,6 +7,10 @@ SUBMITTED the transfer state is the sender's; the shipper only records how it en
 part (the ViT loop's callback, the shipper, ``Cancel``) changes a room through this table, under
 its lock, so a room is failed, cancelled or advanced exactly once whoever gets there first.
 
+A room is *being accepted* from ``begin`` to ``add`` (its ``Encode`` still decoding a video):
+its id is taken, and ``cancel`` fails it at once and sets its ``StopCheck``, so the decode stops
+at its next frame and ``add`` refuses it (``RequestCancelled``).
+
 Final rooms are kept ``ttl_s`` seconds (at most ``max_finished`` of them) so a late
 ``WaitEncoded`` still gets the outcome and a room id cannot be reused meanwhile; a room cancelled
 before its ``Encode`` arrived is kept the same way, so that ``Encode`` is refused.
@@ -21,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .batcher import EncodeTask
-from .errors import UnknownRoom
+from .errors import RequestCancelled, UnknownRoom
+from .stop import StopCheck
 from .types import EncodedPrompt, Prompt, RoomStatus
 
 FINAL = (RoomStatus.SHIPPED, RoomStatus.FAILED)
@@ -48,7 +53,7 @@ class RoomRecord:
 
 
 class Cancelled(NamedTuple):
-    found: bool  # the room was known here
+    found: bool  # the room was known here (live, being accepted or final)
     task: EncodeTask | None  # its ViT task, to take off the loop (when it was QUEUED)
 
 
@@ -62,19 +67,43 @@ class RoomTable:
             status: {} for status in RoomStatus if status not in FINAL
         }
         self._finished: collections.OrderedDict[int, float] = collections.OrderedDict()
+        self._accepting: dict[int, StopCheck] = {}  # rooms between ``begin`` and ``add``
         self._cond = threading.Condition()
 
-    def add(self, record: RoomRecord, max_active: int) -> bool:
-        """Register ``record``; False when ``max_active`` rooms are still being encoded.
+    def begin(self, room: int, stop: StopCheck) -> None:
+        """Take ``room``'s id for an ``Encode`` being accepted; ``cancel`` sets ``stop``. End it
+        with ``add`` or, when the request is refused, ``end_accept``.
 
-        Raises ValueError when the room id is already in use (live, or ended within the TTL).
+        Raises ValueError when the id is in use (live, being accepted, or ended within the TTL).
         """
         with self._cond:
             self._expire()
-            known = self._records.get(record.room)
-            if known is not None:
-                why = f": {known.error}" if known.error else ""
-                raise ValueError(f"room {record.room} is already in use ({known.status.name}{why})")
+            self._check_free(room)
+            self._accepting[room] = stop
+
+    def end_accept(self, room: int) -> None:
+        """The ``Encode`` of a room that ``begin`` took ended without ``add`` (or after it)."""
+        with self._cond:
+            self._accepting.pop(room, None)
+
+    def known(self, room: int) -> bool:
+        """Whether ``room``'s id is in use here (live, being accepted, or final)."""
+        with self._cond:
+            return room in self._records or room in self._accepting
+
+    def add(self, record: RoomRecord, max_active: int) -> bool:
+        """Register ``record``, ending its accept (``begin``, when it had one); False when
+        ``max_active`` rooms are still being encoded.
+
+        Raises ``RequestCancelled`` when the room was cancelled while it was being accepted, and
+        ValueError when the room id is already in use (live, or ended within the TTL).
+        """
+        with self._cond:
+            stop = self._accepting.pop(record.room, None)
+            if stop is not None and stop.cancelled:
+                raise RequestCancelled(f"{stop.reason} while it was accepted")
+            self._expire()
+            self._check_free(record.room)
             if self._num_active() >= max_active:
                 return False
             self._records[record.room] = record
@@ -112,16 +141,21 @@ class RoomTable:
             return True
 
     def cancel(self, room: int, reason: str) -> Cancelled:
-        """Fail ``room`` if live. An unknown room is remembered as cancelled (for the TTL)."""
+        """Fail ``room`` if live. One being accepted is failed too and its ``StopCheck`` set;
+        an unknown room is remembered as cancelled (for the TTL) all the same."""
         with self._cond:
             record = self._records.get(room)
             if record is None:
+                stop = self._accepting.get(room)
                 self._expire()
                 record = RoomRecord(room, "", 0, 0, status=RoomStatus.FAILED)
-                record.error = f"{reason} (before its Encode arrived)"
+                record.error = reason if stop else f"{reason} (before its Encode arrived)"
                 self._records[room] = record
                 self._move(record, RoomStatus.FAILED)
-                return Cancelled(False, None)
+                if stop is None:
+                    return Cancelled(False, None)
+                stop.cancel(reason)
+                return Cancelled(True, None)
             if record.status in FINAL:
                 return Cancelled(True, None)
             task = record.task
@@ -197,6 +231,15 @@ class RoomTable:
     def num_active(self) -> int:
         with self._cond:
             return self._num_active()
+
+    def _check_free(self, room: int) -> None:
+        """ValueError when ``room``'s id is in use (lock held)."""
+        if room in self._accepting:
+            raise ValueError(f"room {room} is already in use (being accepted)")
+        known = self._records.get(room)
+        if known is not None:
+            why = f": {known.error}" if known.error else ""
+            raise ValueError(f"room {room} is already in use ({known.status.name}{why})")
 
     def _num_active(self) -> int:
         return sum(len(self._live[status]) for status in ACTIVE)

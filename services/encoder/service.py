@@ -3,12 +3,15 @@
 ``accept`` runs synchronously on the caller's thread: queue bound, intake, validation, resize,
 tokenization and positions. A bad request raises ``InvalidInput`` and nothing is queued; a full
 queue or pixel budget raises ``Overloaded``; a deadline passing while a video decodes stops the
-decode there and raises ``DeadlineExpired``. Either way the room is failed at the sender, so a
-language worker already waiting on it learns at once. An accepted room gets its deadline (the
-request's ``timeout_s``, else ``default_timeout_s``), announced to the sender (``expect``); its
-images go to the ViT loop (dropped unencoded if the deadline passes first); when its rows are
-ready the shipper hands them to the sender. ``cancel`` ends a room in any state; ``wait``
-reports the outcome. The room's state lives in one place, the ``RoomTable``.
+decode at the next frame and raises ``DeadlineExpired``. Either way the room is failed at the
+sender, so a language worker already waiting on it learns at once. While ``accept`` runs, the
+room is *being accepted* in the ``RoomTable`` with the request's ``StopCheck``: a ``cancel``
+then fails it at once (at the sender too), the decode stops at its next frame, and ``accept``
+raises ``RequestCancelled`` having given its pixel budget back. An accepted room gets its
+deadline (the request's ``timeout_s``, else ``default_timeout_s``), announced to the sender
+(``expect``); its images go to the ViT loop (dropped unencoded if the deadline passes first);
+when its rows are ready the shipper hands them to the sender. ``cancel`` ends a room in any
+state; ``wait`` reports the outcome. The room's state lives in one place, the ``RoomTable``.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from pathlib import Path
 from common.transfer.layout import BufferLayout, dtype_name, layout_for
 
 from .config import EncoderConfig
-from .errors import DeadlineExpired, InvalidInput, Overloaded, RoomInUse, UnknownRoom
+from .errors import DeadlineExpired, InvalidInput, Overloaded, RequestCancelled, RoomInUse
 from .pipeline import EncoderPipeline
 from .rooms import RoomRecord, RoomTable
 from .shipping import DiscardingSender, Sender, Shipper
+from .stop import StopCheck
 from .types import EncodedPrompt, EncodeRequest, RoomStatus
 
 logger = logging.getLogger(__name__)
@@ -100,16 +104,36 @@ class EncoderService:
     def accept(self, request: EncodeRequest) -> Accepted:
         """Validate and queue ``request``.
 
-        Raises ``InvalidInput``, ``Overloaded``, ``RoomInUse`` or ``DeadlineExpired`` (the
-        request's deadline passed while its video decoded).
+        Raises ``InvalidInput``, ``Overloaded``, ``RoomInUse``, ``DeadlineExpired`` (the
+        request's deadline passed while its video decoded) or ``RequestCancelled`` (``cancel``
+        named the room meanwhile).
         """
         room = request.room
-        self._check_new(room)
         try:
             deadline = self._deadline(request.timeout_s)
+        except InvalidInput as exc:
+            self.refuse(room, str(exc))
+            raise
+        stop = StopCheck(deadline)
+        try:
+            self.rooms.begin(room, stop)
+        except ValueError as exc:
+            raise RoomInUse(str(exc)) from None
+        try:
+            return self._accept(request, stop)
+        finally:
+            self.rooms.end_accept(room)
+
+    def _accept(self, request: EncodeRequest, stop: StopCheck) -> Accepted:
+        """``accept`` once the room's id is taken (``rooms.begin``)."""
+        room, deadline = request.room, stop.deadline
+        try:
             if self.rooms.num_active() >= self.config.max_queued_requests:
                 raise Overloaded(f"encoder queue full ({self.config.max_queued_requests} requests)")
-            prompt = self.pipeline.prepare(request.messages, (), request.limits, deadline)
+            prompt = self.pipeline.prepare(request.messages, (), request.limits, stop)
+        except RequestCancelled as exc:  # ``cancel`` already failed the room, here and there
+            logger.info("room %d dropped: %s", room, exc)
+            raise
         except (InvalidInput, Overloaded, DeadlineExpired) as exc:
             if isinstance(exc, DeadlineExpired):
                 logger.info("room %d dropped: %s", room, exc)
@@ -124,6 +148,10 @@ class EncoderService:
             task.on_rows = self._on_rows
         try:
             added = self.rooms.add(record, self.config.max_queued_requests)
+        except RequestCancelled as exc:  # cancelled after its decode, before it was queued
+            self.pipeline.discard(prompt)
+            logger.info("room %d dropped: %s", room, exc)
+            raise
         except ValueError as exc:
             self.pipeline.discard(prompt)
             raise RoomInUse(str(exc)) from None
@@ -149,16 +177,15 @@ class EncoderService:
 
     def refuse(self, room: int, reason: str) -> None:
         """A request for ``room`` was refused before ``accept``: fail the room at the sender
-        (unless the id belongs to a room live here, which is not this request's to fail)."""
-        try:
-            self.rooms.get(room)
-        except UnknownRoom:
+        (unless the id is in use here, which is not this request's room to fail)."""
+        if not self.rooms.known(room):
             self._reject(room, reason)
 
     def cancel(self, room: int, reason: str) -> bool:
-        """Drop ``room`` whatever its state: queued patches freed unencoded, encoded rows
-        dropped, the sender's room failed (its blocks freed, the receiver told). False when the
-        room is unknown here; it is then remembered, so its late ``Encode`` is refused."""
+        """Drop ``room`` whatever its state: a video it is decoding in ``accept`` stopped at the
+        next frame, queued patches freed unencoded, encoded rows dropped, the sender's room failed
+        (its blocks freed, the receiver told). False when the room is unknown here; it is then
+        remembered, so its late ``Encode`` is refused."""
         reason = f"cancelled: {(reason or 'by the caller')[:MAX_REASON_CHARS]}"
         found, task = self.rooms.cancel(room, reason)
         if task is not None:
@@ -232,14 +259,6 @@ class EncoderService:
         if not math.isfinite(timeout_s) or timeout_s < 0:
             raise InvalidInput(f"timeout_s must be a finite number >= 0 (seconds), got {timeout_s}")
         return time.monotonic() + (timeout_s or self.config.default_timeout_s)
-
-    def _check_new(self, room: int) -> None:
-        try:
-            record = self.rooms.get(room)
-        except UnknownRoom:
-            return
-        why = f": {record.error}" if record.error else ""
-        raise RoomInUse(f"room {room} is already in use ({record.status.name}{why})")
 
     def _reject(self, room: int, reason: str) -> None:
         try:

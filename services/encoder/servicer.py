@@ -9,7 +9,14 @@ import grpc
 from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from . import convert
-from .errors import DeadlineExpired, InvalidInput, Overloaded, RoomInUse, UnknownRoom
+from .errors import (
+    DeadlineExpired,
+    InvalidInput,
+    Overloaded,
+    RequestCancelled,
+    RoomInUse,
+    UnknownRoom,
+)
 from .service import EncoderService
 from .types import RoomStatus
 
@@ -37,6 +44,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except DeadlineExpired as exc:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except RequestCancelled as exc:
+            context.abort(grpc.StatusCode.CANCELLED, str(exc))
         return convert.reply_to_proto(accepted, self.service.sender.endpoint)
 
     def WaitEncoded(self, request, context):  # noqa: N802

@@ -9,9 +9,10 @@ Two steps, so limits come before pixels:
   count that disagrees with the packets is a lying header and is refused.
 * ``decode_frames`` decodes the stream once, front to back, and hands each wanted frame (by
   index) to a callback as 8-bit RGB; frames not wanted are decoded (the codec needs them) but
-  never converted. Every frame must have the header's size. Past its ``deadline`` (the
-  request's, ``time.monotonic``) it stops between two frames with ``DeadlineExpired``: a long
-  clip is not decoded for a request that already ended.
+  never converted. Every frame must have the header's size. Between two frames it asks the
+  request's ``StopCheck``, which raises ``DeadlineExpired`` once the deadline passed and
+  ``RequestCancelled`` once the room was cancelled: a long clip is not decoded for a request
+  that already ended.
 
 Every other failure is an ``InvalidInput``: corrupt, truncated, audio-only, unsupported, zero
 frames, over a limit, or lying about its length.
@@ -25,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -35,7 +34,8 @@ import av
 import numpy as np
 
 from .decode import DecodeLimits, check_size
-from .errors import DeadlineExpired, InvalidInput
+from .errors import InvalidInput
+from .stop import StopCheck
 
 CONTAINERS = "mov,mp4,matroska,webm,avi,mpegts,flv,ogg"  # demuxers a video may use
 # What PyAV raises on bytes it cannot make sense of (text it cannot decode is a ValueError).
@@ -120,11 +120,11 @@ def decode_frames(
     header: VideoHeader,
     wanted: list[int],
     on_frame: Callable[[int, np.ndarray], None],
-    deadline: float = math.inf,
+    stop: StopCheck | None = None,
 ) -> None:
     """Decode ``data`` and call ``on_frame(index, rgb [H, W, 3] uint8)`` for every frame index
-    in ``wanted`` (ascending; repeats allowed), in order; ``DeadlineExpired`` once
-    ``time.monotonic()`` passes ``deadline``."""
+    in ``wanted`` (ascending; repeats allowed), in order; ``stop.check`` before each frame
+    (``DeadlineExpired``, ``RequestCancelled``)."""
     if not wanted:
         return
     todo = sorted(set(wanted))
@@ -133,11 +133,8 @@ def decode_frames(
         stream.thread_type = "AUTO"
         index, pos = 0, 0
         for frame in container.decode(stream):
-            if time.monotonic() > deadline:
-                raise DeadlineExpired(
-                    f"the deadline passed while decoding the video (frame {index} of "
-                    f"{header.num_frames})"
-                )
+            if stop is not None:
+                stop.check(f"decoding the video (frame {index} of {header.num_frames})")
             if index == todo[pos]:
                 if (frame.width, frame.height) != (header.width, header.height):
                     raise InvalidInput(

@@ -15,7 +15,6 @@ over the video's key and ``g``. The same clip sampled differently is another vid
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import torch
@@ -24,6 +23,7 @@ from PIL import Image
 
 from .cache import EmbeddingCache
 from .preprocess import ImagePreprocessor
+from .stop import StopCheck
 from .types import PreparedImage, PreparedVideo
 from .video_decode import VideoHeader, decode_frames
 from .video_sampling import VideoPlan, VideoSettings, plan_video
@@ -48,11 +48,12 @@ class VideoPreprocessor:
         header: VideoHeader,
         plan: VideoPlan,
         cache: EmbeddingCache | None,
-        deadline: float = math.inf,
+        stop: StopCheck | None = None,
     ) -> PreparedVideo:
         """Decode the plan's frames, key the video, and cut each uncached group's patches;
-        ``DeadlineExpired`` when ``deadline`` (``time.monotonic``) passes while decoding."""
-        frames = self.sampled_frames(data, header, plan, deadline)
+        the decode stops between frames when ``stop`` says so (``DeadlineExpired``,
+        ``RequestCancelled``)."""
+        frames = self.sampled_frames(data, header, plan, stop)
         key = self._key(plan, frames)
         tp = self.temporal_patch_size
         groups = []
@@ -113,7 +114,7 @@ class VideoPreprocessor:
         return b"video:" + json.dumps(meta, sort_keys=True).encode()
 
     def sampled_frames(
-        self, data: bytes, header: VideoHeader, plan: VideoPlan, deadline: float = math.inf
+        self, data: bytes, header: VideoHeader, plan: VideoPlan, stop: StopCheck | None = None
     ) -> list[np.ndarray]:
         """The plan's frames, decoded and resized: ``[height, width, 3]`` uint8 each, in the
         plan's order (a frame used twice appears twice)."""
@@ -126,7 +127,7 @@ class VideoPreprocessor:
                 img = img.resize(size, Image.Resampling.BICUBIC)
             resized[index] = np.asarray(img)
 
-        decode_frames(data, header, list(plan.indices), keep, deadline)
+        decode_frames(data, header, list(plan.indices), keep, stop)
         return [resized[i] for i in plan.indices]
 
     def cut(self, frames: list[np.ndarray]) -> torch.Tensor:

@@ -1,9 +1,11 @@
-"""The gRPC service in a real separate process: Encode, WaitEncoded, GetLoad, health, reflection."""
+"""The gRPC service in a real separate process: Encode, WaitEncoded, GetLoad, Cancel of a room
+whose video decodes, health, reflection."""
 
 from __future__ import annotations
 
 import base64
 import json
+import time
 
 import grpc
 import pytest
@@ -12,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+from tests.media import make_video
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,43 @@ def test_errors_map_to_status_codes(channel):
         stub.WaitEncoded(encoder_pb2.WaitEncodedRequest(room=999))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert stub.Encode(_request(25, common_pb2.ImageSource(data=png))).num_images == 1
+
+
+def test_cancel_while_the_video_decodes_answers_cancelled(channel):
+    """``Cancel`` of a room whose ``Encode`` still decodes its video (seconds of frames): the
+    decode stops at the next frame, ``Encode`` answers CANCELLED, the room is FAILED, no frame
+    is counted and the patch bytes come back."""
+    stub = encoder_pb2_grpc.EncoderStub(channel)
+    clip = make_video(num_frames=1200, width=320, height=240, fps=4, seed=23)
+    # 600 frames sampled, each 56x56 (4 tokens a frame group): well within the prompt limit
+    sampling = common_pb2.VideoSampling(max_pixels=56 * 56)
+    source = common_pb2.ImageSource(data=clip)
+    video = common_pb2.VideoPart(source=source, sampling=sampling)
+    parts = [common_pb2.ContentPart(video=video), common_pb2.ContentPart(text="What happens?")]
+    message = common_pb2.ChatMessage(role="user", content=parts)
+    request = encoder_pb2.EncodeRequest(room=41, request_id="req-41", messages=[message])
+    before = stub.GetLoad(encoder_pb2.GetLoadRequest())
+    encoding = stub.Encode.future(request, timeout=120)
+
+    def decoding() -> bool:  # the patch bytes reserved, no room queued yet: inside accept
+        load = stub.GetLoad(encoder_pb2.GetLoadRequest())
+        return load.queued_pixel_bytes > 0 and load.num_queued_requests == 0
+
+    deadline = time.monotonic() + 30
+    while not decoding():
+        assert time.monotonic() < deadline, "the encoder never started decoding the video"
+        time.sleep(0.01)
+    cancel = encoder_pb2.CancelRequest(room=41, reason="client went away")
+    assert stub.Cancel(cancel).found
+    with pytest.raises(grpc.RpcError) as info:
+        encoding.result()
+    assert info.value.code() == grpc.StatusCode.CANCELLED, info.value.details()
+    assert "cancelled: client went away while decoding the video" in info.value.details()
+    outcome = stub.WaitEncoded(encoder_pb2.WaitEncodedRequest(room=41))
+    assert outcome.status == encoder_pb2.ENCODE_STATUS_FAILED
+    load = stub.GetLoad(encoder_pb2.GetLoadRequest())
+    assert load.num_video_frames == before.num_video_frames
+    assert load.queued_pixel_bytes == 0 and load.num_queued_requests == 0
 
 
 def test_start_up_line_names_device_and_dtypes(server):

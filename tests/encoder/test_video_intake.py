@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from services.encoder.config import EncoderConfig
-from services.encoder.errors import DeadlineExpired, InvalidInput
+from services.encoder.errors import DeadlineExpired, InvalidInput, RequestCancelled
 from services.encoder.intake import VideoIntake
 from services.encoder.pipeline import EncoderPipeline
+from services.encoder.stop import StopCheck
 from services.encoder.types import (
     ChatMessage,
     ContentPart,
@@ -132,16 +133,21 @@ def test_too_many_videos_and_prompt_too_long(video_pipeline):
     assert "tokens" in message and "1 video), more than the limit of 4096" in message
 
 
-def test_a_passed_deadline_stops_the_decode(video_pipeline):
-    """The request's deadline is checked between frames: past it, nothing more is decoded,
-    nothing is counted and the pixel budget is given back; a later deadline is met."""
+def test_a_passed_deadline_or_a_cancel_stops_the_decode(video_pipeline):
+    """The request's ``StopCheck`` is asked between frames: past its deadline, or once
+    cancelled (which wins), nothing more is decoded, nothing is counted and the pixel budget is
+    given back; a later deadline is met."""
     messages = request(VideoInput(make_video(num_frames=8, seed=4)))
     frames, _ = video_pipeline.video_totals()
     with pytest.raises(DeadlineExpired, match="deadline passed while decoding the video"):
-        video_pipeline.prepare(messages, deadline=time.monotonic() - 1)
+        video_pipeline.prepare(messages, stop=StopCheck(time.monotonic() - 1))
+    cancelled = StopCheck(time.monotonic() - 1)
+    cancelled.cancel("cancelled: client went away")
+    with pytest.raises(RequestCancelled, match="client went away while decoding the video"):
+        video_pipeline.prepare(messages, stop=cancelled)
     assert video_pipeline.budget.used_bytes == 0
     assert video_pipeline.video_totals()[0] == frames
-    prompt = video_pipeline.prepare(messages, deadline=time.monotonic() + 60)
+    prompt = video_pipeline.prepare(messages, stop=StopCheck(time.monotonic() + 60))
     assert video_pipeline.video_totals()[0] == frames + 4
     video_pipeline.discard(prompt)
 

@@ -1,17 +1,21 @@
 """A video through the encoder service: one item in the aux record (the video's hash and its
 tokens), frame groups shipped as they are encoded, the embedding cache keeping them, metrics
-counting frames and decode time, and a cancelled video giving its patch bytes back."""
+counting frames and decode time, and a cancelled video giving its patch bytes back (a cancel
+while it still decodes stopping the decode)."""
 
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prometheus_client import generate_latest
 from test_encoder_service import FakeSender, _hold_vit, _idle, _service, until
 
+from services.encoder import video_prep
 from services.encoder.convert import load_to_proto
-from services.encoder.errors import DeadlineExpired
+from services.encoder.errors import DeadlineExpired, RequestCancelled, RoomInUse
 from services.encoder.metrics import create_registry
 from services.encoder.types import (
     ChatMessage,
@@ -99,6 +103,75 @@ def test_deadline_passing_during_intake_fails_the_room_and_frees_it(qwen25_dir):
         assert "deadline passed while decoding the video" in sender.failed[1]
         assert service.load().num_queued_requests == 0
         assert until(lambda: service.load().queued_pixel_bytes == 0)
+        _idle(service)
+    finally:
+        service.close()
+
+
+def test_cancel_while_the_video_decodes_stops_the_decode(qwen25_dir, monkeypatch):
+    """``Cancel`` arrives (from another thread) while ``accept`` decodes the video, held after
+    its first frame: the room fails at once (here and at the sender), the decode stops at the
+    next frame, ``accept`` raises ``RequestCancelled``, the patch bytes come back, no frame is
+    counted, the room id stays refused, and the next request is served."""
+    decoding, cancelled = threading.Event(), threading.Event()
+    frames: list[int] = []
+    decode_frames = video_prep.decode_frames
+
+    def held_after_the_first_frame(data, header, wanted, on_frame, stop=None):
+        def on_frame_held(index, rgb):
+            on_frame(index, rgb)
+            frames.append(index)
+            if len(frames) == 1:
+                decoding.set()
+                assert cancelled.wait(30)
+
+        return decode_frames(data, header, wanted, on_frame_held, stop)
+
+    monkeypatch.setattr(video_prep, "decode_frames", held_after_the_first_frame)
+    sender = FakeSender()
+    service = _service(qwen25_dir, sender)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            accepting = pool.submit(service.accept, video_request(1))
+            assert decoding.wait(30)
+            load = service.load()
+            assert load.queued_pixel_bytes > 0 and load.num_queued_requests == 0
+            with pytest.raises(RoomInUse, match="room 1 is already in use .being accepted"):
+                service.accept(video_request(1))
+            assert service.cancel(1, "client went away")  # found: it is being accepted
+            assert sender.failed[1] == "cancelled: client went away"
+            record = service.wait(1, RoomStatus.SHIPPED, 0)
+            assert record.status == RoomStatus.FAILED
+            assert record.error == "cancelled: client went away"
+            cancelled.set()
+            with pytest.raises(RequestCancelled, match="client went away while decoding the video"):
+                accepting.result(timeout=30)
+        assert len(frames) == 1  # stopped at the next frame
+        assert service.pipeline.video_totals()[0] == 0
+        _idle(service)
+        with pytest.raises(RoomInUse, match="room 1 is already in use .FAILED: cancelled"):
+            service.accept(video_request(1))
+        cancelled.set()  # later decodes run through
+        service.accept(video_request(2))
+        assert service.wait(2, RoomStatus.SHIPPED, 30).status == RoomStatus.SHIPPED
+        _idle(service)
+    finally:
+        cancelled.set()
+        service.close()
+
+
+def test_cancel_after_the_decode_before_the_room_is_queued(qwen25_dir):
+    """``Cancel`` lands between the end of the decode and the queueing: the room is not queued,
+    ``accept`` raises ``RequestCancelled`` and the patch bytes come back."""
+    sender = FakeSender()
+    service = _service(qwen25_dir, sender)
+    service.pipeline.on_prepare = lambda seconds: service.cancel(3, "language worker failed")
+    try:
+        with pytest.raises(RequestCancelled, match="language worker failed while it was accepted"):
+            service.accept(video_request(3))
+        assert sender.failed[3] == "cancelled: language worker failed"
+        assert 3 not in sender.expected
+        assert service.wait(3, RoomStatus.SHIPPED, 0).status == RoomStatus.FAILED
         _idle(service)
     finally:
         service.close()
