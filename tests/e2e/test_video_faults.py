@@ -1,7 +1,8 @@
 """Faults mid-video through a real stack: a long clip is decoded, encoded frame group by frame
 group and shipped in continuations; the client cancelling, the encoder being SIGKILLed, or the
 request's deadline passing while that happens ends the request alone with a clear status, and
-nothing stays held (blocks, rooms, patch bytes, radix locks)."""
+nothing stays held (blocks, rooms, patch bytes, radix locks). A cancel or a deadline that comes
+while the encoder still decodes the video stops the decode there."""
 
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def streaming(request_: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequ
     return request_
 
 
-def test_client_cancel_and_encoder_killed_mid_video(tiny_model_dir, stack_factory, long_clip):
+def test_client_cancel_and_encoder_killed_mid_video(
+    tiny_model_dir, stack_factory, long_clip, slow_clip
+):
     env, _ = video_env(ARCH)
     env |= {
         "EPD_ENCODER_MAX_BATCH_PATCHES": "64",  # one frame group per ViT forward
@@ -51,6 +54,22 @@ def test_client_cancel_and_encoder_killed_mid_video(tiny_model_dir, stack_factor
     }
     stack = stack_factory(tiny_model_dir(ARCH), num_encoders=2, env=env)
     with stack.client() as client:
+        # the client cancels while an encoder still decodes a long clip: the gateway's
+        # Encoder.Cancel stops the decode at the next frame (no frame counted, the log says so)
+        num_frames = video_frames(stack)
+        call = client.stream_request(streaming(request(slow_clip)), timeout=120)
+        with ThreadPoolExecutor(1) as pool:
+            outcome = Outcome()
+            done = pool.submit(consume, call, outcome)
+            encoder = wait_for(lambda: decoding_encoder(stack), 30, "an encoder to decode")
+            call.cancel()
+            done.result(timeout=60)
+        assert outcome.code == grpc.StatusCode.CANCELLED, (outcome.code, outcome.details)
+        stack.wait_no_leaks()
+        assert video_frames(stack) == num_frames
+        log = encoder.log_path.read_text()
+        assert "dropped: cancelled: request cancelled while decoding the video" in log, log[-3000:]
+
         # the client cancels while an encoder works on the clip
         call = client.stream_request(streaming(request(long_clip)), timeout=120)
         with ThreadPoolExecutor(1) as pool:
@@ -85,11 +104,21 @@ def test_client_cancel_and_encoder_killed_mid_video(tiny_model_dir, stack_factor
     stack.wait_no_leaks()
 
 
-def decoding(stack) -> bool:
-    """The encoder holds the video's patch bytes and no room yet: it is inside ``accept``,
+def decoding(stack, i: int = 0) -> bool:
+    """Encoder ``i`` holds the video's patch bytes and no room yet: it is inside ``accept``,
     decoding the video."""
-    load = stack.encoder_load()
+    load = stack.encoder_load(i)
     return load.queued_pixel_bytes > 0 and load.num_queued_requests == 0
+
+
+def decoding_encoder(stack):
+    """The encoder decoding a video now, or None."""
+    return next((e for i, e in enumerate(stack.encoders) if decoding(stack, i)), None)
+
+
+def video_frames(stack) -> list[int]:
+    """Video frames each encoder decoded so far."""
+    return [stack.encoder_load(i).num_video_frames for i in range(len(stack.encoders))]
 
 
 def grpc_outcome(client, clip: bytes) -> str:
