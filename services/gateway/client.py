@@ -9,10 +9,13 @@ first next time. With an API key every call carries ``authorization: Bearer KEY`
 file the channels use TLS. Both are optional: plaintext without a key by default.
 
 ``epd generate --gateway ADDR[,ADDR...] [--video PATH ...] [--image PATH ...] --prompt TEXT
-[--max-tokens N] [--temperature T] [--json] [--api-key KEY] [--tls-ca FILE]``: videos, then
-images, are placed before the text in one user message, which the checkpoint's own chat
+[--max-tokens N] [--temperature T] [--n N] [--json] [--api-key KEY] [--tls-ca FILE]``: videos,
+then images, are placed before the text in one user message, which the checkpoint's own chat
 template renders with the generation prompt. The API key may also come from ``EPD_API_KEY``.
-With ``--json`` one JSON object is printed (text, token_ids, finish_reason, usage, timing).
+One choice is streamed to stdout as it comes; with ``--n`` above 1 each choice is printed once
+every one finished, as ``[index] text``, in index order. With ``--json`` one JSON object is
+printed (choice 0's text, token_ids and finish_reason, the request's usage and timing, and
+``choices``: every choice's index, text, token_ids, finish_reason and usage).
 Every failure is one line on stderr and a non-zero exit: a bad argument or unreadable file (2),
 a gRPC error as ``CODE: details`` (1).
 """
@@ -32,6 +35,7 @@ from pathlib import Path
 import grpc
 
 from common.channels import DEFAULT_KEEPALIVE, Keepalive
+from common.sampling_bounds import MAX_N
 from protos.epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.errors import REQUEST_ABORTED
 
@@ -328,23 +332,55 @@ class RetryingStream:
 
 
 def result_dict(reply: gateway_pb2.GenerateResponse | gateway_pb2.GenerateChunk) -> dict:
-    reason = common_pb2.FinishReason.Name(reply.finish_reason).removeprefix("FINISH_REASON_")
-    return {
+    """A reply (or a final chunk) as plain data; a unary reply adds ``choices``, every one."""
+    out = {
         "text": reply.text,
         "token_ids": list(reply.token_ids),
-        "finish_reason": reason.lower(),
-        "usage": {name: getattr(reply.usage, name) for name in USAGE_FIELDS},
+        "finish_reason": _finish_name(reply.finish_reason),
+        "usage": _usage(reply.usage),
         "timing": {name: getattr(reply.timing, name) for name in TIMING_FIELDS},
     }
+    if isinstance(reply, gateway_pb2.GenerateResponse):
+        out["choices"] = [
+            {
+                "index": choice.index,
+                "text": choice.text,
+                "token_ids": list(choice.token_ids),
+                "finish_reason": _finish_name(choice.finish_reason),
+                "usage": _usage(choice.usage),
+            }
+            for choice in reply.choices
+        ]
+    return out
 
 
-def format_timing(reply: gateway_pb2.GenerateResponse | gateway_pb2.GenerateChunk) -> str:
+def _finish_name(reason: int) -> str:
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+def _usage(usage: gateway_pb2.Usage) -> dict[str, int]:
+    return {name: getattr(usage, name) for name in USAGE_FIELDS}
+
+
+def format_timing(
+    reply: gateway_pb2.GenerateResponse | gateway_pb2.GenerateChunk,
+    finals: Sequence[gateway_pb2.GenerateChunk] = (),
+) -> str:
+    """The finish reason, token counts and timing of ``reply``; with ``finals`` (the final
+    chunk of every choice, ``reply`` the last to finish) each choice's finish reason and
+    completion tokens, in index order, and their sum."""
     d = result_dict(reply)
     t, u = d["timing"], d["usage"]
+    finish, completion = d["finish_reason"], str(u["completion_tokens"])
+    if len(finals) > 1:
+        ordered = sorted(finals, key=lambda chunk: chunk.index)
+        finish = ", ".join(_finish_name(c.finish_reason) for c in ordered)
+        counts = [c.usage.completion_tokens for c in ordered]
+        completion = f"{sum(counts)} ({' + '.join(map(str, counts))})"
     ms = {k: f"{v * 1000:.1f} ms" for k, v in t.items() if k.endswith("_s")}
     return (
-        f"finish: {d['finish_reason']}   tokens: prompt {u['prompt_tokens']}"
-        f" (cached {u['cached_tokens']}), completion {u['completion_tokens']}\n"
+        f"finish: {finish}   tokens: prompt {u['prompt_tokens']}"
+        f" (cached {u['cached_tokens']}), completion {completion}\n"
         f"timing: queue {ms['queue_s']} | encode {ms['encode_s']} | transfer "
         f"{ms['transfer_s']} ({t['num_transfers']} transfers) | prefill {ms['prefill_s']} | "
         f"first token {ms['first_token_s']} | total {ms['total_s']}"
@@ -370,6 +406,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling; 0 = off")
     parser.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0 = off")
     parser.add_argument("--seed", type=int, default=None, help="seed of reproducible sampling")
+    parser.add_argument(
+        "--n", type=int, default=1, help=f"choices to generate, 1 to {MAX_N} (choice i: seed + i)"
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -393,6 +432,8 @@ def check_arguments(args: argparse.Namespace) -> dict[str, object]:
         raise ValueError(f"--top-k must be in [-1, 2**31), got {args.top_k}")
     if args.seed is not None and not 0 <= args.seed < 1 << 64:
         raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
+    if not 1 <= args.n <= MAX_N:
+        raise ValueError(f"--n must be in [1, {MAX_N}], got {args.n}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     sampling: dict[str, object] = {
@@ -400,6 +441,7 @@ def check_arguments(args: argparse.Namespace) -> dict[str, object]:
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,
+        "n": args.n,
     }
     if args.seed is not None:
         sampling["seed"] = args.seed
@@ -427,16 +469,10 @@ def run(args: argparse.Namespace) -> int:
                 reply = client.generate(args.prompt, images, timeout=args.timeout, **sampling)
                 print(json.dumps(result_dict(reply)))
                 return 0
-            final = None
-            for chunk in client.generate_stream(
-                args.prompt, images, timeout=args.timeout, **sampling
-            ):
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                final = chunk
-            print()
-            if final is not None:
-                print(format_timing(final), file=sys.stderr)
+            stream = client.generate_stream(args.prompt, images, timeout=args.timeout, **sampling)
+            finals = _print_stream(stream, args.n)
+            if finals:
+                print(format_timing(finals[-1], finals), file=sys.stderr)
             return 0
         except grpc.RpcError as exc:
             print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -444,3 +480,26 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("cancelled", file=sys.stderr)
             return 130
+
+
+def _print_stream(
+    stream: Iterator[gateway_pb2.GenerateChunk], n: int
+) -> list[gateway_pb2.GenerateChunk]:
+    """Print the answer: one choice as its text streams; several, each once all finished, as
+    ``[index] text`` in index order. The final chunk of each choice, in finishing order."""
+    texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    finals = []
+    for chunk in stream:
+        if n == 1:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        else:
+            texts.setdefault(chunk.index, []).append(chunk.text)
+        if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            finals.append(chunk)
+    if n == 1:
+        print()
+        return finals
+    for index in sorted(texts):
+        print(f"[{index}] {''.join(texts[index])}")
+    return finals
