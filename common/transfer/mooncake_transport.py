@@ -37,6 +37,7 @@ def _submitted(batch_id: int) -> bool:
 
 class MooncakeTransport(BaseTransport):
     name = "mooncake"
+    costly_segments = True
 
     def __init__(
         self,
