@@ -117,6 +117,25 @@ class DataBuffers:
         slot, length = runs[0]
         return self.rows[slot : slot + length]
 
+    def token_bytes(self, block_ids: Sequence[int], offset: int, count: int) -> tuple[bytes, bytes]:
+        """The raw bytes of slots ``offset..offset+count-1``: (fill ids, positions), as stored
+        (int32; positions slot-major, ``t h w`` per slot)."""
+        runs = self.runs(block_ids, offset, count)
+        fill = b"".join(self.fill_ids[s : s + n].tobytes() for s, n in runs)
+        return fill, b"".join(self.positions[s : s + n].tobytes() for s, n in runs)
+
+    def put_token_bytes(
+        self, block_ids: Sequence[int], offset: int, fill_ids: bytes, positions: bytes
+    ) -> None:
+        """Store what ``token_bytes`` returned at slots ``offset..`` of ``block_ids``."""
+        fill = np.frombuffer(fill_ids, dtype=np.int32)
+        pos = np.frombuffer(positions, dtype=np.int32).reshape(-1, 3)
+        token = 0
+        for slot, length in self.runs(block_ids, offset, len(fill)):
+            self.fill_ids[slot : slot + length] = fill[token : token + length]
+            self.positions[slot : slot + length] = pos[token : token + length]
+            token += length
+
     def aux_bytes(self, block_id: int) -> bytes:
         return self.aux[block_id].tobytes()
 

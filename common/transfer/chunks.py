@@ -23,6 +23,11 @@ from .aux_record import AUX_RECORD_BYTES, ChunkInfo
 from .buffers import DataBuffers
 from .layout import BufferLayout, dtype_name
 
+# Up to this many tokens a chunk's token fields (16 bytes per token) and aux record ride in its
+# status (<= 17.5 KiB) when the transport pays per segment: one segment (the rows) instead of
+# four, none for a chunk without image rows.
+MAX_INLINE_TOKENS = 1024
+
 
 class Segments(NamedTuple):
     src_addrs: list[int]
@@ -53,6 +58,12 @@ def layout_fields(layout: BufferLayout) -> dict:
     )
 
 
+def inline_tokens(init: transfer_pb2.TransferInit, chunk: ChunkInfo) -> bool:
+    """Whether the chunk's token fields and aux record may travel in its status (minor 6):
+    the receiver takes them, and they stay small (a few KiB: the frame limit is 64 KiB)."""
+    return init.accepts_inline and chunk.num_tokens <= MAX_INLINE_TOKENS
+
+
 def partial_end(chunk_end: int, dest_slot: int, block_size: int) -> int:
     """Where a chunk that stops short of its init (its data is not all ready) must end so that
     the next chunk starts on a destination block boundary: ``chunk_end`` lands at destination
@@ -77,10 +88,12 @@ def build_segments(
     rows_at: int,
     aux_len: int,
     tokens_at: int | None = None,
+    rows_only: bool = False,
 ) -> Segments:
     """All segments of one chunk (every field), split where either side stops being contiguous;
     rows land at row slot ``rows_at`` (see ``dest_row_offset``), tokens at token slot
-    ``tokens_at`` (by default the init's ``dest_token_offset``)."""
+    ``tokens_at`` (by default the init's ``dest_token_offset``). ``rows_only``: the token fields
+    and the aux record go inline in the status (see ``inline_tokens``)."""
     dst_blocks = list(init.block_ids)
     src_addrs: list[int] = []
     dst_addrs: list[int] = []
@@ -101,6 +114,8 @@ def build_segments(
     if tokens_at is None:
         tokens_at = init.dest_token_offset
     add("rows", init.rows.base, chunk.first_image_row, rows_at, chunk.num_image_rows)
+    if rows_only:
+        return Segments(src_addrs, dst_addrs, lengths)
     add("fill_ids", init.fill_ids.base, chunk.chunk_start, tokens_at, chunk.num_tokens)
     add("positions", init.positions.base, chunk.chunk_start, tokens_at, chunk.num_tokens)
     src_addrs.append(buffers.base("aux") + src_blocks[0] * buffers.slot_bytes["aux"])

@@ -57,7 +57,7 @@ class BufferLayout:
 
     @property
     def row_bytes(self) -> int:
-        return self.row_width * torch.empty((), dtype=self.dtype).element_size()
+        return self.row_width * self.dtype.itemsize
 
     def describe(self) -> str:
         return (

@@ -24,11 +24,13 @@ TRANSFER_PROTOCOL_VERSION = 1  # major: bumped only on incompatible changes
 # 1: TransferStatus.write_s; 2: TransferInit.dest_token_offset; 3: authenticated frames
 # (incarnation, seq, sent_at_ms, to_endpoint, mac), error kinds, init acknowledgements;
 # 4: partial chunks (TransferInit.accepts_partial, TransferStatus.partial, mid-room acks);
-# 5: TransferClaim (a receiver short of blocks claims its room; unclaimed rooms time out)
-TRANSFER_PROTOCOL_MINOR = 5
+# 5: TransferClaim (a receiver short of blocks claims its room; unclaimed rooms time out);
+# 6: a chunk's token fields and aux record inline in its status (TransferInit.accepts_inline)
+TRANSFER_PROTOCOL_MINOR = 6
 MINOR_DEST_OFFSETS = 2  # a sender of at least this minor honours TransferInit.dest_token_offset
 MINOR_ACKS = 3  # a sender of at least this minor acknowledges an init that waits for data
 MINOR_PARTIAL = 4  # a sender of at least this minor may fill one init in several chunks
+MINOR_INLINE = 6  # a sender of at least this minor may carry token fields in its status
 
 MAX_ENDPOINT_LEN = 255
 VERSION_WARNING_INTERVAL_S = 60.0

@@ -188,6 +188,8 @@ class EmbeddingReceiver(ReceiverChunks):
             receiver_endpoint=self.endpoint,
             host_id=self.host_id,
             mooncake_session=self.mooncake.session_id if self.mooncake else "",
+            accepts_partial=True,
+            accepts_inline=True,
             **chunks.layout_fields(self.layout),
         )
         for name in ("rows", "fill_ids", "positions", "aux"):
@@ -215,7 +217,6 @@ class EmbeddingReceiver(ReceiverChunks):
         msg.init.num_tokens_allocated = allocation.num_tokens - in_place
         msg.init.sent_tokens = sent
         msg.init.dest_token_offset = in_place
-        msg.init.accepts_partial = True
         state.awaiting_write = state.known_to_sender = True
         self.peers.watch(state.sender_endpoint, now)
         if state.state == RoomState.BOOTSTRAPPING:

@@ -20,6 +20,7 @@ from protos.epd.v1 import transfer_pb2
 
 from . import aux_record, messages
 from .allocator import Allocation
+from .aux_record import AUX_RECORD_BYTES
 from .control import MAX_INIT_BLOCKS
 from .endpoint import TransferEndpoint
 from .receiver_room import ReceiverRoom
@@ -147,6 +148,10 @@ class ReceiverChunks(TransferEndpoint):
     ) -> None:
         assert state.allocation is not None
         mismatch = FailureKind.AUX_MISMATCH
+        problem = self._store_inline(state, status)
+        if problem:
+            self._fail(state, mismatch, mismatch.reason(problem))
+            return
         try:
             first_block = state.num_tokens_in_place // self.layout.block_size  # see chunks.py
             record = self.buffers.aux_bytes(state.allocation.block_ids[first_block])
@@ -209,6 +214,27 @@ class ReceiverChunks(TransferEndpoint):
         state.deadline = self._waiting_bound(state, time.monotonic())
         self._cont_queue.append(state.room)
         self._schedule()
+
+    def _store_inline(self, state: ReceiverRoom, status: transfer_pb2.TransferStatus) -> str:
+        """Store the token fields and aux record a chunk carries in its status (minor 6) where
+        the sender's write would have put them: behind the room's tokens in place, the record
+        at the block of the chunk's first token. Returns why not ("" when stored or none)."""
+        fill, pos, record = status.inline_fill_ids, status.inline_positions, status.inline_aux
+        if not (fill or pos or record):
+            return ""
+        assert state.allocation is not None
+        at = state.num_tokens_in_place
+        num_tokens = status.num_tokens
+        if not 0 < num_tokens <= state.allocation.num_tokens - at:
+            return f"inline chunk of {num_tokens} tokens does not fit the allocation"
+        if (len(fill), len(pos)) != (4 * num_tokens, 12 * num_tokens):
+            return f"inline token fields of {len(fill)} + {len(pos)} bytes for {num_tokens} tokens"
+        if not 0 < len(record) <= AUX_RECORD_BYTES:
+            return f"inline aux record of {len(record)} bytes"
+        block_ids = state.allocation.block_ids
+        self.buffers.put_token_bytes(block_ids, at, fill, pos)
+        self.buffers.set_aux(block_ids[at // self.layout.block_size], record)
+        return ""
 
     def _on_announcement(self, state: ReceiverRoom, status: transfer_pb2.TransferStatus) -> None:
         """The sender starts the first chunk of a room that will continue. If the room can

@@ -181,7 +181,9 @@ class SenderWrites(TransferEndpoint):
         self, state: SenderRoom, init: transfer_pb2.TransferInit, chunk: ChunkInfo, tokens_at: int
     ) -> None:
         """Writer thread: one chunk = one batched write of every field, then the status. The
-        chunk's tokens land at token slot ``tokens_at`` of the init's blocks."""
+        chunk's tokens land at token slot ``tokens_at`` of the init's blocks. Over a transport
+        that pays per segment, a small chunk's token fields and aux record ride in the status
+        instead (``chunks.inline_tokens``; the receiver stores them at the same slots)."""
         assert state.allocation is not None and state.aux is not None
         with self._lock:
             if state.state.is_final:  # failed or aborted while queued: nothing was written
@@ -192,27 +194,28 @@ class SenderWrites(TransferEndpoint):
         nbytes = 0
         write_s = 0.0
         transport_name = ""
+        inline: dict[str, bytes] = {}  # the status's inline fields (minor 6)
         try:
             transport, session = self._transport_for(init)
             if transport is None:
                 raise LookupError("no transport in common with the receiver")
-            # the aux source slot is ours alone: one write of the room runs at a time
-            self.buffers.set_aux(state.allocation.block_ids[0], record)
+            block_ids = state.allocation.block_ids
+            rows_only = transport.costly_segments and chunks.inline_tokens(init, chunk)
+            if rows_only:
+                fill, pos = self.buffers.token_bytes(block_ids, chunk.chunk_start, chunk.num_tokens)
+                inline = {"inline_fill_ids": fill, "inline_positions": pos, "inline_aux": record}
+            else:  # the aux source slot is ours alone: one write of the room runs at a time
+                self.buffers.set_aux(block_ids[0], record)
             rows_at = chunks.dest_row_offset(state.row_prefix, init, chunk.chunk_start)
             segments = chunks.build_segments(
-                self.buffers,
-                state.allocation.block_ids,
-                init,
-                chunk,
-                rows_at,
-                len(record),
-                tokens_at,
+                self.buffers, block_ids, init, chunk, rows_at, len(record), tokens_at, rows_only
             )
             start = time.perf_counter()
-            transport.write(session, *segments)
+            if segments.lengths:  # none: a chunk without image rows, its fields inline
+                transport.write(session, *segments)
             write_s = time.perf_counter() - start
             transport_name = transport.name
-            nbytes = sum(segments.lengths)
+            nbytes = sum(segments.lengths) + sum(len(field) for field in inline.values())
         except LookupError as exc:
             failure = FailureKind.NO_TRANSPORT, str(exc)
         except BadDestinationError as exc:
@@ -247,6 +250,7 @@ class SenderWrites(TransferEndpoint):
                 total_tokens=state.aux.total_tokens,
                 write_s=write_s,
                 partial=partial,
+                **inline,
             )
             if done:
                 state.move(RoomState.SUCCESS)

@@ -18,6 +18,9 @@ from .regions import Region
 
 class BaseTransport(ABC):
     name: str
+    # Each segment costs a round trip of its own (Mooncake tcp: a TCP connection, ~30 us),
+    # so a chunk's small fields travel better inside its status (minor 6) than as segments.
+    costly_segments: bool = False
 
     @abstractmethod
     def register(self, regions: Sequence[Region]) -> None:
