@@ -103,10 +103,11 @@ def test_sampler_keeps_an_allowed_maximum_and_otherwise_draws_within_the_languag
         assert isinstance(error, NoAllowedTokenError)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_greedy_rows_with_forbidden_maxima_take_the_allowed_maximum_row_by_row(dtype):
     """The batched masked reduction against the plain one-row-at-a-time computation: the first
-    maximum of the float32 row with its forbidden tokens at -inf."""
+    maximum of the float32 row with its forbidden tokens at -inf (float16: the penalty at
+    forbidden tokens is that dtype's lowest value, not float32's)."""
     rng = np.random.default_rng(3)
     vocab, num_rows = 300, 6
     logits = torch.tensor(rng.normal(size=(num_rows, vocab)), dtype=dtype)

@@ -111,6 +111,10 @@ class Guide:
         bits = np.unpackbits(mask, bitorder="little", count=vocab)
         return torch.from_numpy(bits.view(np.bool_))
 
+    def packed(self) -> bytes:
+        """``allowed`` packed, as llguidance computes it (see ``sampling.Constraint``)."""
+        return self._mask()
+
     def advance(self, token: int) -> bool:
         """Take the sampled ``token``; returns whether the language is complete (nothing
         more may follow). Raises ValueError when the token is not in the language. The next

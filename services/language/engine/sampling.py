@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from common.sampling_bounds import (
@@ -266,6 +267,11 @@ class Constraint(Protocol):
         """bool ``[vocab]`` (CPU): True where the token may come next."""
         ...
 
+    def packed(self) -> bytes:
+        """The same, packed: bit ``t % 8`` of byte ``t // 8`` is set where token ``t`` may
+        come next (tokens past its end may not)."""
+        ...
+
 
 class NoAllowedTokenError(ValueError):
     """Every token the row's constraint allows has a logit of -inf."""
@@ -306,8 +312,8 @@ def sample(
                 out.append(exc)
     forbidden_max = [i for i, token in enumerate(out) if token is None]
     if forbidden_max:
-        allowed = [constraints[i].allowed(logits.shape[-1]) for i in forbidden_max]
-        tokens = _allowed_max(logits, forbidden_max, allowed)
+        packed = [constraints[i].packed() for i in forbidden_max]
+        tokens = _allowed_max(logits, forbidden_max, packed)
         for i, token in zip(forbidden_max, tokens, strict=True):
             out[i] = token
     return out
@@ -317,15 +323,35 @@ NO_ALLOWED_TOKEN = "no token the structured output allows has a finite logit"
 
 
 def _allowed_max(
-    logits: torch.Tensor, rows: list[int], allowed: list[torch.Tensor]
+    logits: torch.Tensor, rows: list[int], packed: list[bytes]
 ) -> list[int | Exception]:
-    """The first maximum among the ``allowed`` tokens of each of ``rows`` of ``logits``, in one
-    masked reduction (``NoAllowedTokenError`` for a row whose allowed logits are all -inf)."""
+    """The first maximum among the allowed tokens (``packed`` masks, see ``Constraint``) of
+    each of ``rows`` of ``logits``, in one reduction (``NoAllowedTokenError`` for a row whose
+    allowed logits are all -inf).
+
+    The rows get a penalty added: 0 at allowed tokens (their logits unchanged, so ties and
+    maxima are the plain row's), the dtype's lowest value at forbidden ones. NOTE: an add, not
+    ``masked_fill``: filling by a bool mask as irregular as a grammar's branches per element
+    (~9 ms for 16 rows of a 152k vocabulary here, ~0.5 ms for the add). These rows' logits are
+    finite (``sample`` checked), so a forbidden token never outranks an allowed finite one,
+    and a maximum at or below half the lowest value means no allowed token is finite.
+    """
+    vocab = logits.shape[-1]
+    width = (vocab + 7) // 8
+    masks = np.zeros((len(rows), width), dtype=np.uint8)
+    for i, mask in enumerate(packed):
+        n = min(len(mask), width)
+        masks[i, :n] = np.frombuffer(mask, dtype=np.uint8, count=n)
+    lowest = torch.finfo(logits.dtype).max
+    # the 8 penalties of each mask byte, looked up (one pass, not unpack + convert + scale)
+    byte_bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    by_byte = byte_bits.to(logits.dtype).sub_(1).mul_(lowest).to(logits.device)
+    index = torch.from_numpy(masks).view(-1).to(device=logits.device, dtype=torch.long)
+    penalty = by_byte.index_select(0, index).view(len(rows), width * 8)[:, :vocab]
     index = torch.tensor(rows, device=logits.device)
-    mask = torch.stack(allowed).to(logits.device)
-    values, tokens = row_max(logits.index_select(0, index).masked_fill_(~mask, float("-inf")))
+    values, tokens = row_max(logits.index_select(0, index).add_(penalty))
     return [
-        token if value != float("-inf") else NoAllowedTokenError(NO_ALLOWED_TOKEN)
+        token if value > -lowest / 2 else NoAllowedTokenError(NO_ALLOWED_TOKEN)
         for value, token in zip(values.tolist(), tokens.tolist(), strict=True)
     ]
 
