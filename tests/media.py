@@ -25,12 +25,16 @@ def make_video(
     codec: str = "mpeg4",
     container: str = "mp4",
     options: dict | None = None,
+    rotation: int = 0,
 ) -> bytes:
-    """An encoded video of ``num_frames`` frames at ``fps``."""
+    """An encoded video of ``num_frames`` frames at ``fps``; ``rotation``: the display rotation
+    its container asks for (degrees counter-clockwise), as a phone writes it."""
     buf = io.BytesIO()
     with av.open(buf, "w", format=container, options=options or {}) as out:
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if rotation:
+            stream.set_display_rotation(rotation)
         for frame in video_frames(num_frames, width, height, seed):
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 out.mux(packet)

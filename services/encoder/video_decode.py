@@ -6,10 +6,13 @@ Two steps, so limits come before pixels:
   declared frame count) and checks the limits there; then it demuxes the video stream's packets
   *without decoding them* to count the frames the file really holds (bounded by the frame
   limit, so a header that understates its length cannot make us read more). A declared frame
-  count that disagrees with the packets is a lying header and is refused.
+  count that disagrees with the packets is a lying header and is refused. Once every limit
+  passed, the first frame is decoded for the stream's display rotation (a phone's portrait
+  clip is stored landscape): the header's size is the displayed one.
 * ``decode_frames`` decodes the stream once, front to back, and hands each wanted frame (by
   index) to a callback as 8-bit RGB; frames not wanted are decoded (the codec needs them) but
-  never converted. Every frame must have the header's size. Between two frames it asks the
+  never converted, and turned upright by the display rotation. Every frame must have the
+  header's stored size. Between two frames it asks the
   request's ``StopCheck``, which raises ``DeadlineExpired`` once the deadline passed and
   ``RequestCancelled`` once the room was cancelled: a long clip is not decoded for a request
   that already ended.
@@ -54,13 +57,22 @@ class VideoLimits:
 
 @dataclass(frozen=True)
 class VideoHeader:
-    """What probing a video found: the facts sampling and the budget need."""
+    """What probing a video found: the facts sampling and the budget need. ``width`` and
+    ``height`` are the frames' as displayed: a phone's portrait clip is stored landscape with a
+    display rotation, and its frames are turned upright as they are decoded."""
 
     width: int
     height: int
     num_frames: int  # video packets (= frames) in the stream
     fps: float  # its average frame rate
     codec: str
+    rotation: int = 0  # degrees counter-clockwise the stored frames are turned: 0, 90, 180, 270
+
+    @property
+    def stored_size(self) -> tuple[int, int]:
+        """(width, height) of the frames as stored (before the rotation)."""
+        turned = self.rotation in (90, 270)
+        return (self.height, self.width) if turned else (self.width, self.height)
 
     @property
     def duration_s(self) -> float:
@@ -68,7 +80,8 @@ class VideoHeader:
 
 
 def probe_video(data: bytes, limits: VideoLimits) -> VideoHeader:
-    """The header facts of ``data`` once they passed ``limits`` (no frame decoded)."""
+    """The header facts of ``data`` once they passed ``limits`` (then its first frame is decoded,
+    for its display rotation only)."""
     with _reading(data) as container:
         if len(container.streams) > limits.max_streams:
             raise InvalidInput(
@@ -112,7 +125,20 @@ def probe_video(data: bytes, limits: VideoLimits) -> VideoHeader:
             f"video is {num_frames / fps:.1f} s long ({num_frames} frames at {fps:g} fps); "
             f"the limit is {limits.max_seconds:g} s"
         )
-    return VideoHeader(width, height, num_frames, fps, codec)
+    rotation = _display_rotation(data)
+    if rotation in (90, 270):
+        width, height = height, width
+    return VideoHeader(width, height, num_frames, fps, codec, rotation)
+
+
+def _display_rotation(data: bytes) -> int:
+    """The display rotation of ``data``'s video stream, to the nearest quarter turn. NOTE: PyAV
+    reads a display matrix from decoded frames only, so the first frame is decoded (after every
+    limit passed); flips in the matrix are not applied."""
+    with _reading(data) as container:
+        for frame in container.decode(container.streams.video[0]):
+            return round((frame.rotation or 0) / 90) % 4 * 90
+    raise InvalidInput("video stream holds no decodable frame")
 
 
 def decode_frames(
@@ -136,12 +162,16 @@ def decode_frames(
             if stop is not None:
                 stop.check(f"decoding the video (frame {index} of {header.num_frames})")
             if index == todo[pos]:
-                if (frame.width, frame.height) != (header.width, header.height):
+                stored_w, stored_h = header.stored_size
+                if (frame.width, frame.height) != (stored_w, stored_h):
                     raise InvalidInput(
                         f"video frame {index} is {frame.width}x{frame.height}; the header says "
-                        f"{header.width}x{header.height}"
+                        f"{stored_w}x{stored_h}"
                     )
-                on_frame(index, frame.to_ndarray(format="rgb24"))
+                rgb = frame.to_ndarray(format="rgb24")
+                if header.rotation:  # upright, as displayed
+                    rgb = np.ascontiguousarray(np.rot90(rgb, header.rotation // 90))
+                on_frame(index, rgb)
                 pos += 1
                 if pos == len(todo):
                     return

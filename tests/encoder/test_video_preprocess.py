@@ -23,7 +23,7 @@ from PIL import Image
 from services.encoder.config import EncoderConfig
 from services.encoder.pipeline import EncoderPipeline
 from services.encoder.types import ChatMessage, ContentPart, VideoInput, VideoSampling
-from services.encoder.video_decode import VideoHeader
+from services.encoder.video_decode import VideoHeader, VideoLimits, probe_video
 from services.encoder.video_sampling import VideoSettings, plan_video, sample_indices
 from tests.media import decoded_frames, make_video
 
@@ -211,3 +211,25 @@ def test_processor_fallback_cuts_the_same_patches(pipelines, arch):
     images._cutter = None
     slow = VideoPreprocessor(images, pipe.videos.defaults).cut(frames)
     assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("rotation", [0, 90, 180, 270])
+def test_display_rotation_turns_frames_upright(pipelines, rotation):
+    """A clip stored landscape with a display rotation (as phones write portrait clips) is
+    sampled as displayed: the header's size, the frames and the grid are the upright ones."""
+    pipe = pipelines["qwen2_5_vl"]
+    data = make_video(num_frames=8, width=224, height=112, fps=4, seed=6, rotation=rotation)
+    header = probe_video(data, VideoLimits())
+    turned = rotation in (90, 270)
+    assert header.rotation == rotation
+    assert (header.width, header.height) == ((112, 224) if turned else (224, 112))
+    plan = pipe.videos.plan(header, pipe.videos.defaults)
+    assert (plan.width, plan.height) == (header.width, header.height)  # no resize here
+    frames = pipe.videos.sampled_frames(data, header, plan)
+    upright = [np.rot90(f, rotation // 90) for f in decoded_frames(data)]
+    for got, index in zip(frames, plan.indices, strict=True):
+        assert np.array_equal(got, upright[index])
+    prompt = pipe.prepare([video_message(data)])
+    _, grid_h, grid_w = prompt.items[0].grid_thw
+    assert (grid_w * 14, grid_h * 14) == (header.width, header.height)
+    pipe.discard(prompt)
