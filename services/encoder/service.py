@@ -134,9 +134,11 @@ class EncoderService:
         except RequestCancelled as exc:  # ``cancel`` already failed the room, here and there
             logger.info("room %d dropped: %s", room, exc)
             raise
-        except (InvalidInput, Overloaded, DeadlineExpired) as exc:
-            if isinstance(exc, DeadlineExpired):
-                logger.info("room %d dropped: %s", room, exc)
+        except DeadlineExpired as exc:  # it stopped the decode: no caller failed the room yet
+            logger.info("room %d dropped: %s", room, exc)
+            self._reject(room, str(exc))
+            raise
+        except (InvalidInput, Overloaded) as exc:
             self._reject(room, str(exc))
             raise
         task = self.pipeline.make_task(prompt, self._on_encoded(room), deadline)
