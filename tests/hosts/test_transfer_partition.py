@@ -18,6 +18,10 @@ from tests.transfer.conftest import layout_of, make_config, new_room
 from tests.transfer.helpers import spec
 
 TOTAL_TOKENS = 20000  # ~160 continuations through a one-block receive buffer
+# The room must reach the middle before the cut: on two cores shared with the rest of the suite
+# its start once outlived the transfer tests' 3 s bootstrap / first-chunk bounds (failed before
+# the cut). The bounds the cut exercises (heartbeats, transfer timeout) stay the fast ones.
+PATIENT_START = dict(bootstrap_timeout_s=30.0, waiting_timeout_s=30.0)
 
 
 @pytest.fixture
@@ -27,13 +31,22 @@ def peers(network, monkeypatch):
     made: list[Peer] = []
     hosts = network.add_host("s"), network.add_host("r")
     for role, host, blocks in (("sender", hosts[0], 256), ("receiver", hosts[1], 1)):
-        config = make_config(num_blocks=blocks, default_tokens=128, host=host.address)
+        config = make_config(
+            num_blocks=blocks, default_tokens=128, host=host.address, **PATIENT_START
+        )
         made.append(Peer(role, config, layout_of(config), netns=host.netns))
     yield network, *hosts, *made
     for host in hosts:
         network.restore(host)
     for peer in made:
         peer.close()
+
+
+def mid_room(peer: Peer, room: int) -> bool:
+    """Whether ``room`` is transferring; a room that ended before is this test's failure, named."""
+    state = RoomState(peer.ask("call", "poll", room))
+    assert not state.is_final, f"room {room} ended before the cut: {state.name}"
+    return state == RoomState.TRANSFERRING
 
 
 def idle(peer: Peer) -> bool:
@@ -47,9 +60,7 @@ def test_peer_cut_mid_continuation(peers, cut: str) -> None:
     room = spec(new_room(), TOTAL_TOKENS)
     assert sender.ask("submit", room)
     receiver.ask("call", "add_room", room.seed, sender.endpoint)
-    wait_until(
-        lambda: receiver.ask("call", "poll", room.seed) == RoomState.TRANSFERRING, 30, "mid-room"
-    )  # 30 s: on two cores shared with the rest of the suite the room once took over 10 s to start
+    wait_until(lambda: mid_room(receiver, room.seed), 60, "mid-room")
     cut_at = time.monotonic()
     network.cut(receiver_host if cut == "receiver" else sender_host)
     failed = RoomState.FAILED
