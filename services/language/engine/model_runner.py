@@ -97,7 +97,8 @@ class ModelRunner:
         row = len(ids)
         for part in parts:
             num = part.chunk.end - part.chunk.start
-            extends.append(ExtendSegment(row, num, part.kv_slots.to(self.device)))
+            kv_slots = part.kv_slots.to(self.device)
+            extends.append(ExtendSegment.causal(row, kv_slots, num, self.dtype))
             if part.chunk.sample:
                 logit_rows.append(row + num - 1)
             row += num

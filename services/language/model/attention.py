@@ -1,7 +1,8 @@
 """Attention of a flat batch over the paged KV pool with ``scaled_dot_product_attention``.
 
 Prefill chunks attend causally with an offset: query ``i`` of a chunk that follows
-``prefix_len`` cached tokens sees keys ``0 .. prefix_len + i``. Decode tokens see all their
+``prefix_len`` cached tokens sees keys ``0 .. prefix_len + i`` (an additive key bias made once
+per step, ``ExtendSegment.kv_bias``). Decode tokens see all their
 keys; each group of decode requests of similar KV length (``DecodeGroup``) is padded into one
 call with an additive key mask (-inf at the pads), so a long request does not pad the short
 ones of other groups to its length. A decode query is one token, so the ``heads / kv_heads``
@@ -33,17 +34,10 @@ def paged_attention(
         qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
         k = k_cache.index_select(0, seg.kv_slots).transpose(0, 1)[None]
         v = v_cache.index_select(0, seg.kv_slots).transpose(0, 1)[None]
-        prefix_len = int(seg.kv_slots.shape[0]) - seg.q_len
-        if prefix_len == 0:
-            o = F.scaled_dot_product_attention(
-                qs, k, v, is_causal=True, scale=scale, enable_gqa=True
-            )
-        else:
-            rows = torch.arange(seg.q_len, device=q.device)[:, None] + prefix_len
-            mask = torch.arange(k.shape[2], device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(
-                qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+        causal = seg.kv_bias is None  # no prefix
+        o = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=seg.kv_bias, is_causal=causal, scale=scale, enable_gqa=True
+        )
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     for group in batch.decode_groups:
