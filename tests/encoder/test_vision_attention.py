@@ -1,6 +1,7 @@
-"""The grouped vision attention (``services/encoder/vision_attention.py``) gives the rows
-transformers' per-piece attention gives, bit for bit, for every architecture and dtype: images
-of equal and unequal sizes in one batch, Qwen2.5-VL's windows, a video's frame groups."""
+"""The grouped vision attention (``services/encoder/vision_attention.py``: its forward, rotary
+embedding and grouped SDPA) gives the rows transformers' own attention gives, bit for bit, for
+every architecture and dtype: images of equal and unequal sizes in one batch, Qwen2.5-VL's
+windows, a video's frame groups."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from common.models.tiny import ARCHS
 from services.encoder.checkpoint import load_checkpoint
 from services.encoder.config import EncoderConfig
 from services.encoder.vision import VisionTower
-from services.encoder.vision_attention import grouped_attention
+from services.encoder.vision_attention import grouped_attention, rotate_qk
 
 # (t, h, w) in patches: two of one size, one of another, one odd size, a two-group video
 GRIDS = [(1, 16, 16), (1, 16, 16), (1, 8, 12), (1, 10, 6), (2, 8, 8)]
@@ -67,3 +68,18 @@ def test_grouped_attention_is_per_piece_sdpa() -> None:
 def test_the_setting_is_checked() -> None:
     with pytest.raises(ValueError, match="vision_attention must be one of"):
         EncoderConfig(vision_attention="fused")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rotate_qk_is_transformers_rotary(arch, dtype) -> None:
+    module = __import__(f"transformers.models.{arch}.modeling_{arch}", fromlist=["_"])
+    generator = torch.Generator().manual_seed(1)
+    seq, heads, head_dim = 37, 3, 16
+    qkv = torch.randn(seq, 3, heads, head_dim, generator=generator).to(dtype)
+    angles = torch.randn(seq, head_dim, generator=generator) * 10
+    cos, sin = angles.cos(), angles.sin()
+    query, key = rotate_qk(qkv, cos, sin)
+    expected = module.apply_rotary_pos_emb_vision(qkv[:, 0], qkv[:, 1], cos, sin)
+    assert query.dtype == key.dtype == dtype
+    assert torch.equal(query, expected[0]) and torch.equal(key, expected[1])
