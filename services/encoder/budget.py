@@ -1,6 +1,6 @@
 """The byte budget of queued pixel tensors (``max_queued_pixel_mb``).
 
-A request reserves the bytes of its images' fp32 patches (known from the headers) before any
+A request reserves the bytes of its images' patches (known from the headers) before any
 pixel is decoded; the reservation is refused (``RESOURCE_EXHAUSTED``, the gateway tries another
 encoder) when it would overflow the budget, except when nothing is held at all, so a single
 request larger than the budget is still served, alone. Each image's share is given back the

@@ -7,7 +7,10 @@ patches with numpy, a few passes over the image. Every output value depends on o
 and its channel only, so a ``[channels, 256]`` table computed with the same operations in the
 same dtypes gives the same float32 values in one pass; the patch layout is the processor's
 (``patchify``): ``[grid_h * grid_w, channels * temporal * patch * patch]``, the frame repeated
-``temporal`` times.
+``temporal`` times. The bytes are put in patch order first (a copy a quarter the size of the
+floats), then looked up once into the output (~1.4x faster than normalizing planes and moving
+the floats). The output is in the tower's dtype: a bf16 tower gets bf16 patches, each value
+the fp32 one rounded as the tower's own cast would, at half the bytes and without that pass.
 
 ``PatchCutter.for_processor`` checks the table against the processor itself on a probe image
 holding every byte value in every channel, and returns None (the caller keeps the processor)
@@ -32,15 +35,21 @@ class PatchCutter:
         patch_size: int,
         merge_size: int,
         temporal_patch_size: int,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.table = table  # float32 [channels, 256]: each byte value's output, per channel
+        self.dtype = dtype  # of the patches
+        self._flat_table = torch.from_numpy(table.reshape(-1).copy()).to(dtype)
+        # added to a byte to index its channel's row of the flat table
+        self._row_offsets = torch.arange(table.shape[0], dtype=torch.int32).mul_(256)
         self.patch_size = patch_size
         self.merge_size = merge_size
         self.temporal_patch_size = temporal_patch_size
 
     @classmethod
-    def for_processor(cls, proc) -> PatchCutter | None:
-        """A cutter equal to ``proc`` (a Qwen-VL image processor), or None."""
+    def for_processor(cls, proc, dtype: torch.dtype = torch.float32) -> PatchCutter | None:
+        """A cutter equal to ``proc`` (a Qwen-VL image processor) with its patches cast to
+        ``dtype``, or None."""
         if not (proc.do_rescale and proc.do_normalize):
             return None
         mean = np.asarray(proc.image_mean, dtype=np.float32)
@@ -48,11 +57,15 @@ class PatchCutter:
         scaled = (np.arange(256, dtype=np.float64) * proc.rescale_factor).astype(np.float32)
         table = ((scaled[None, :] - mean[:, None]) / std[:, None]).astype(np.float32)
         cutter = cls(
-            table, int(proc.patch_size), int(proc.merge_size), int(proc.temporal_patch_size)
+            table,
+            int(proc.patch_size),
+            int(proc.merge_size),
+            int(proc.temporal_patch_size),
+            dtype,
         )
         probe = cutter.probe_image()
         expected = proc(images=[probe], do_resize=False, return_tensors="pt")["pixel_values"]
-        if not torch.equal(cutter(probe), expected):
+        if not torch.equal(cutter(probe), expected.to(dtype)):
             logger.warning("image patches: the lookup table differs from the processor; using it")
             return None
         return cutter
@@ -67,29 +80,25 @@ class PatchCutter:
         return Image.fromarray(rgb.astype(np.uint8), "RGB")
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
-        """Flat float32 patches of ``img`` (RGB, sides multiples of patch * merge), the frame
+        """Flat patches of ``img`` (RGB, sides multiples of patch * merge), the frame
         repeated ``temporal_patch_size`` times (an image)."""
-        planes = self._planes(np.asarray(img))[None]  # [1, C, H, W]
-        shape = (self.temporal_patch_size, *planes.shape[1:])
-        return self._cut(np.broadcast_to(planes, shape))
+        pixels = torch.from_numpy(np.array(img))[None]  # [1, H, W, C]
+        return self._cut(pixels.expand(self.temporal_patch_size, -1, -1, -1))
 
     def cut_frames(self, frames: list[np.ndarray]) -> torch.Tensor:
-        """Flat float32 patches of one video frame group: ``temporal_patch_size`` RGB frames
+        """Flat patches of one video frame group: ``temporal_patch_size`` RGB frames
         ``[H, W, 3]`` uint8 of one size, in time order (the video processor's ``patchify``)."""
         if len(frames) != self.temporal_patch_size:
             raise ValueError(f"{len(frames)} frames for a group of {self.temporal_patch_size}")
-        return self._cut(np.stack([self._planes(f) for f in frames]))
+        return self._cut(torch.from_numpy(np.stack(frames)))
 
-    def _planes(self, pixels: np.ndarray) -> np.ndarray:
-        """[H, W, C] uint8 -> normalized float32 [C, H, W]."""
-        return np.stack([self.table[c][pixels[..., c]] for c in range(pixels.shape[-1])])
-
-    def _cut(self, planes: np.ndarray) -> torch.Tensor:
-        """[T, C, H, W] float32 -> [grid_h * grid_w, C * T * p * p]."""
-        frames, channels, height, width = planes.shape
+    def _cut(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[T, H, W, C] uint8 -> normalized [grid_h * grid_w, C * T * p * p] in ``dtype``."""
+        frames, height, width, channels = pixels.shape
         p, m = self.patch_size, self.merge_size
         grid_h, grid_w = height // p, width // p
-        patches = planes.reshape(frames, channels, grid_h // m, m, p, grid_w // m, m, p)
-        patches = patches.transpose(2, 5, 3, 6, 1, 0, 4, 7)  # (gh, gw, mh, mw, C, T, ph, pw)
-        flat = patches.reshape(grid_h * grid_w, channels * frames * p * p)
-        return torch.from_numpy(np.ascontiguousarray(flat))
+        patches = pixels.reshape(frames, grid_h // m, m, p, grid_w // m, m, p, channels)
+        patches = patches.permute(1, 4, 2, 5, 7, 0, 3, 6)  # (gh, gw, mh, mw, C, T, ph, pw)
+        rows = patches.to(torch.int32, memory_format=torch.contiguous_format)
+        rows += self._row_offsets[:, None, None, None]  # C is the 4th dim from the end
+        return self._flat_table[rows.view(-1)].view(grid_h * grid_w, -1)

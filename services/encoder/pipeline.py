@@ -67,7 +67,7 @@ class OpenedItem:
     opened: OpenedImage | OpenedVideo
     index: int  # among the request's images, or among its videos
     shape: MediaShape  # what its placeholder expands to
-    pixel_bytes: int  # its fp32 patches
+    pixel_bytes: int  # its patches
     plan: VideoPlan | None = None  # a video's frames and size
 
 
@@ -76,13 +76,6 @@ class EncoderPipeline:
         self.config = config or EncoderConfig()
         self.checkpoint = load_checkpoint(model_path)
         self.intake = ImageIntake(self.config)
-        self.preprocessor = ImagePreprocessor(
-            self.checkpoint, self.config.min_pixels, self.config.max_pixels
-        )
-        self.prompts = PromptBuilder(self.checkpoint)
-        self.video_intake = VideoIntake(self.config)
-        defaults = video_defaults(self.config, self.preprocessor.factor)
-        self.videos = VideoPreprocessor(self.preprocessor, defaults)
         self.tower = VisionTower(
             self.checkpoint,
             self.config.device,
@@ -90,6 +83,13 @@ class EncoderPipeline:
             self.config.linear_kernel,
             self.config.vision_attention,
         )
+        self.preprocessor = ImagePreprocessor(  # patches in the tower's dtype
+            self.checkpoint, self.config.min_pixels, self.config.max_pixels, self.tower.dtype
+        )
+        self.prompts = PromptBuilder(self.checkpoint)
+        self.video_intake = VideoIntake(self.config)
+        defaults = video_defaults(self.config, self.preprocessor.factor)
+        self.videos = VideoPreprocessor(self.preprocessor, defaults)
         # Rows leave the ViT in the deployment's wire dtype, whatever the tower computes in.
         self.rows_dtype = parse_dtype(self.config.transfer.dtype)
         cache_bytes = self.config.cache_mb << 20

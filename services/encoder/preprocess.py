@@ -27,20 +27,28 @@ class ImagePlan:
     """An image's cost, known from its header before any pixel is decoded."""
 
     num_tokens: int  # rows it yields
-    pixel_bytes: int  # bytes of its fp32 patches
+    pixel_bytes: int  # bytes of its patches
 
 
 class ImagePreprocessor:
     """Resizes and normalizes images for one checkpoint; computes their cache keys."""
 
-    def __init__(self, checkpoint: Checkpoint, min_pixels: int = 0, max_pixels: int = 0) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        min_pixels: int = 0,
+        max_pixels: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         proc = checkpoint.image_processor
         self._processor = proc
         self.patch_size = int(proc.patch_size)
         self.merge_size = int(proc.merge_size)
         self.factor = self.patch_size * self.merge_size
-        # values per patch: channels x frames (an image is repeated) x patch x patch, in fp32
+        # values per patch: channels x frames (an image is repeated) x patch x patch
         self.patch_values = 3 * int(proc.temporal_patch_size) * self.patch_size**2
+        self.dtype = dtype  # of the patches: the tower's, which would cast them to it anyway
+        self.value_bytes = dtype.itemsize
         size = proc.size
         self.min_pixels = min_pixels or int(size.shortest_edge)
         self.max_pixels = max_pixels or int(size.longest_edge)
@@ -56,7 +64,7 @@ class ImagePreprocessor:
             "temporal_patch_size": int(proc.temporal_patch_size),
         }
         self._params_digest = xxhash.xxh3_128(json.dumps(params, sort_keys=True).encode()).digest()
-        self._cutter = PatchCutter.for_processor(proc)  # None: the processor cuts the patches
+        self._cutter = PatchCutter.for_processor(proc, dtype)  # None: the processor cuts them
 
     @property
     def params_digest(self) -> bytes:
@@ -85,7 +93,7 @@ class ImagePreprocessor:
         num_patches = (h // self.patch_size) * (w // self.patch_size)  # one frame: t = 1
         return ImagePlan(
             num_tokens=num_patches // self.merge_size**2,
-            pixel_bytes=num_patches * self.patch_values * 4,
+            pixel_bytes=num_patches * self.patch_values * self.value_bytes,
         )
 
     def cache_key(self, img: Image.Image) -> bytes:
@@ -97,7 +105,7 @@ class ImagePreprocessor:
         return h.digest()
 
     def prepare(self, img: Image.Image, key: bytes | None = None) -> PreparedImage:
-        """Resize ``img`` (RGB) and cut it into fp32 patches (``key``: its ``cache_key``)."""
+        """Resize ``img`` (RGB) and cut it into patches (``key``: its ``cache_key``)."""
         key = key if key is not None else self.cache_key(img)
         height, width = self.target_size(img.width, img.height)
         if (img.height, img.width) != (height, width):
@@ -109,7 +117,7 @@ class ImagePreprocessor:
             out = self._processor(images=[img], do_resize=False, return_tensors="pt")
             if tuple(int(x) for x in out["image_grid_thw"][0]) != grid:
                 raise RuntimeError(f"image processor grid {out['image_grid_thw'][0]} != {grid}")
-            pixel_values = out["pixel_values"]
+            pixel_values = out["pixel_values"].to(self.dtype)
         expected = (grid[1] * grid[2], self.patch_values)
         if tuple(pixel_values.shape) != expected:
             raise RuntimeError(f"patches {tuple(pixel_values.shape)} != {expected}")

@@ -93,7 +93,9 @@ class PreparedImage:
     key: bytes  # 16-byte cache key: pixels + preprocessing parameters + model revision
     grid_thw: tuple[int, int, int]  # in patches
     num_tokens: int  # t*h*w / merge**2: rows (image tokens) it yields
-    pixel_values: torch.Tensor | None = None  # [t*h*w, C*tp*p*p] fp32 patches until consumed
+    pixel_values: torch.Tensor | None = (
+        None  # [t*h*w, C*tp*p*p] patches (the tower's dtype) until consumed
+    )
     rows: torch.Tensor | None = None  # [num_tokens, row_width] wire dtype: a cache hit
     held_bytes: int = 0  # share of the pixel budget held for pixel_values (0 once given back)
 

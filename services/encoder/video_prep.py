@@ -39,7 +39,12 @@ class VideoPreprocessor:
 
     def plan(self, header: VideoHeader, settings: VideoSettings) -> VideoPlan:
         return plan_video(
-            header, settings, self.patch_size, self.merge_size, self.temporal_patch_size
+            header,
+            settings,
+            self.patch_size,
+            self.merge_size,
+            self.temporal_patch_size,
+            self._images.value_bytes,
         )
 
     def prepare(
@@ -131,7 +136,7 @@ class VideoPreprocessor:
         return [resized[i] for i in plan.indices]
 
     def cut(self, frames: list[np.ndarray]) -> torch.Tensor:
-        """One frame group's flat fp32 patches."""
+        """One frame group's flat patches, in the image path's dtype."""
         cutter = self._images.cutter
         if cutter is not None:
             return cutter.cut_frames(frames)
@@ -142,7 +147,8 @@ class VideoPreprocessor:
             out = proc(images=[Image.fromarray(frame)], do_resize=False, return_tensors="pt")
             patches = out["pixel_values"]
             slices.append(patches.view(patches.shape[0], 3, len(frames), p, p)[:, :, t])
-        return torch.stack(slices, dim=2).reshape(slices[0].shape[0], -1).contiguous()
+        flat = torch.stack(slices, dim=2).reshape(slices[0].shape[0], -1)
+        return flat.to(self._images.dtype, memory_format=torch.contiguous_format)
 
     def _key(self, plan: VideoPlan, frames: list[np.ndarray]) -> bytes:
         h = xxhash.xxh3_128()

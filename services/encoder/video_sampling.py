@@ -76,7 +76,7 @@ class VideoPlan:
     timestamps: tuple[float, ...]  # seconds, one per frame group
     grid_thw: tuple[int, int, int]  # (groups, h, w) in patches
     num_tokens: int
-    pixel_bytes: int  # its fp32 patches
+    pixel_bytes: int  # its patches
 
 
 def plan_video(
@@ -85,8 +85,10 @@ def plan_video(
     patch_size: int,
     merge_size: int,
     temporal_patch_size: int,
+    value_bytes: int = 4,
 ) -> VideoPlan:
-    """The frames and size Qwen's rules give ``header``'s video under ``settings``."""
+    """The frames and size Qwen's rules give ``header``'s video under ``settings``
+    (``value_bytes``: bytes per patch value, for the budget)."""
     indices = sample_indices(header.num_frames, header.fps, settings, temporal_patch_size)
     num = len(indices)
     factor = patch_size * merge_size
@@ -115,7 +117,7 @@ def plan_video(
         timestamps=stamps,
         grid_thw=grid,
         num_tokens=num_patches // merge_size**2,
-        pixel_bytes=num_patches * 3 * temporal_patch_size * patch_size**2 * 4,
+        pixel_bytes=num_patches * 3 * temporal_patch_size * patch_size**2 * value_bytes,
     )
 
 

@@ -1,4 +1,5 @@
-"""The lookup-table patch cutter gives exactly the image processor's patches."""
+"""The lookup-table patch cutter gives exactly the image processor's patches (in bf16: exactly
+those patches cast to bf16, as a bf16 tower would cast them)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from services.encoder.patches import PatchCutter
 from tests.conftest import ARCHS
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cutter_equals_the_processor_bit_for_bit(tiny_model_dir, arch):
+def test_cutter_equals_the_processor_bit_for_bit(tiny_model_dir, arch, dtype):
     proc = load_checkpoint(tiny_model_dir(arch)).image_processor
-    cutter = PatchCutter.for_processor(proc)
+    cutter = PatchCutter.for_processor(proc, dtype)
     assert cutter is not None
     side = cutter.patch_size * cutter.merge_size
     rng = np.random.default_rng(7)
@@ -26,8 +28,8 @@ def test_cutter_equals_the_processor_bit_for_bit(tiny_model_dir, arch):
         img = Image.fromarray(pixels)
         expected = proc(images=[img], do_resize=False, return_tensors="pt")["pixel_values"]
         got = cutter(img)
-        assert got.dtype == torch.float32 and got.is_contiguous()
-        assert torch.equal(got, expected)
+        assert got.dtype == dtype and got.is_contiguous()
+        assert torch.equal(got, expected.to(dtype))
 
 
 def test_the_table_follows_the_processors_settings_or_steps_aside(tiny_model_dir):
