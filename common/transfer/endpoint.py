@@ -130,6 +130,9 @@ class TransferEndpoint(ABC):
             # one hold of the lock for the frames and the timers: a consumer woken by a frame's
             # handler does not wake again to find the lock taken back for the tick
             with self._lock:
+                late = time.monotonic() - self._sleep_until
+                if late > 0:  # it could not listen meanwhile (see PeerTracker.overslept)
+                    self.peers.overslept(late)
                 for frame in frames:
                     self._dispatch(frame)
                 self.num_wakeups += 1

@@ -11,6 +11,10 @@ associated with it after it had none.
 Each peer process stamps its messages with a random incarnation; a new one at a known endpoint
 means the peer restarted and forgot every room it had (``touch`` returns the old one).
 ``next_due`` is the earliest time a heartbeat or a silence check needs the owner's attention.
+
+Silence is what this side heard while it listened: when its own loop woke later than it planned
+(its process starved of CPU, its thread of the interpreter), the lateness is ``overslept`` and
+does not count against any peer, whose messages may be waiting unread.
 """
 
 from __future__ import annotations
@@ -57,8 +61,18 @@ class PeerTracker:
             self._last_sent[ep] = now
         return due
 
+    def overslept(self, seconds: float) -> None:
+        """This side could not listen for ``seconds`` (it woke that late): no peer's silence
+        grows by them."""
+        for ep in self._last_seen:
+            self._last_seen[ep] += seconds
+
+    def silence(self, endpoint: str, now: float) -> float:
+        """Seconds since ``endpoint`` was last heard (0 when it is not tracked)."""
+        return now - self._last_seen.get(endpoint, now)
+
     def silent(self, endpoints: Iterable[str], now: float) -> list[str]:
-        return [ep for ep in endpoints if now - self._last_seen.get(ep, now) >= self.timeout_s]
+        return [ep for ep in endpoints if self.silence(ep, now) >= self.timeout_s]
 
     def next_due(self, endpoints: Iterable[str]) -> float | None:
         """When the next heartbeat to, or silence check of, one of ``endpoints`` is due."""

@@ -355,12 +355,13 @@ class EmbeddingReceiver(ReceiverChunks):
         active = self._active_peers()
         for ep in self.peers.silent(active, now):
             kind = FailureKind.SENDER_DEAD
+            detail = f"{ep} silent for {self.peers.silence(ep, now):.1f} s"
             for state in list(self._rooms.values()):
                 # NOTE: a room only claimed (still queued for our blocks) waits for us, not for
                 # the sender; a sender older than minor 5 ignores claims and sends no heartbeat
                 asked = state.state != RoomState.BOOTSTRAPPING
                 if state.sender_endpoint == ep and state.known_to_sender and asked:
-                    self._fail(state, kind, kind.reason(f"{ep} silent"))
+                    self._fail(state, kind, kind.reason(detail))
             self.channel.reconnect(ep)  # its connection may be backed off (a partition)
         self._send_heartbeats(self._active_peers(), now)
 

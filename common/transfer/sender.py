@@ -324,9 +324,10 @@ class EmbeddingSender(SenderIntake):
                 self._fail(state, *self._timeout_of(state))
         active = self._active_peers()
         for ep in self.peers.silent(active, now):
+            detail = f"{ep} silent for {self.peers.silence(ep, now):.1f} s"
             for state in list(self._rooms.values()):
                 if state.receiver_endpoint == ep:
-                    self._fail(state, FailureKind.RECEIVER_DEAD, f"{ep} silent")
+                    self._fail(state, FailureKind.RECEIVER_DEAD, detail)
             self.channel.reconnect(ep)  # its connection may be backed off (a partition)
         self._send_heartbeats(self._active_peers(), now)
         if self._shm_sweep_due and self.shm is not None:

@@ -5,7 +5,9 @@ encoder announced (``expect``) waits for data that comes long after ``bootstrap_
 and for the init of a receiver that claimed it while short of blocks; an announced room that no
 receiver asked for or claimed times out (its gateway died), and so does an unannounced one; a
 killed sender is noticed through its missing heartbeats; a restarted one through its new
-incarnation; the request's deadline ends a room on both sides.
+incarnation; the request's deadline ends a room on both sides. A receiver that could not listen
+(its loop held past the heartbeat timeout, as a starved process is) does not count that time as
+its sender's silence.
 """
 
 from __future__ import annotations
@@ -151,6 +153,31 @@ def test_unannounced_data_still_times_out(short_sender) -> None:
     assert wait_for(lambda: sender_state(short_sender, s.seed) == RoomState.FAILED, 5.0)
     stats = short_sender.ask("wait_idle", 5.0)
     assert stats["num_used_blocks"] == 0 and stats["failed_by_reason"]["bootstrap_timeout"] >= 1
+
+
+def test_a_receiver_that_could_not_listen_does_not_call_its_sender_dead(make_receiver) -> None:
+    # the sender's own bound is long: only the receiver's judgement is under test
+    config = make_config(num_blocks=64, **{**SHORT, "heartbeat_timeout_s": 30.0})
+    sender = Peer("sender", config, layout_of(config))
+    receiver = make_receiver(**{**SHORT, "waiting_timeout_s": 30.0})
+    try:
+        s, deadline = spec(new_room(), 700), time.monotonic() + 60.0
+        sender.ask("call", "expect", s.seed, deadline)
+        receiver.add_room(s.seed, sender.endpoint, deadline)
+        assert wait_for(lambda: _acks(receiver) == 1)  # the encoder is working on it
+        with receiver._lock:  # the loop cannot run: the sender's heartbeats queue up unread
+            time.sleep(3 * SHORT["heartbeat_timeout_s"])
+        time.sleep(2 * SHORT["heartbeat_interval_s"])  # the loop caught up with its inbox
+        assert receiver.poll(s.seed) == RoomState.WAITING_FOR_INPUT, receiver.stats()
+        assert sender.ask("submit", s)
+        got = collect(receiver, {s.seed}, timeout_s=10.0)[s.seed]
+        assert isinstance(got, ReceivedEmbeddings) and matches(
+            got, make_request(s, receiver.layout)
+        )
+        receiver.release(s.seed)
+        assert_no_leaks(sender, receiver)
+    finally:
+        sender.close()
 
 
 def test_killed_sender_is_noticed_within_the_heartbeat_timeout(make_receiver) -> None:

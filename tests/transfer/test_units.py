@@ -174,6 +174,15 @@ def test_any_message_sent_counts_as_a_heartbeat() -> None:
     assert peers.silent({"a"}, now=15.7) == []
 
 
+def test_time_this_side_could_not_listen_is_not_a_peers_silence() -> None:
+    peers = PeerTracker(interval_s=1.0, timeout_s=5.0)
+    peers.watch("a", now=10.0)
+    peers.overslept(4.0)  # the loop woke 4 s late: whatever "a" sent is still unread
+    assert peers.silent({"a"}, now=14.5) == [] and peers.silence("a", 14.5) == 0.5
+    assert peers.silent({"a"}, now=19.0) == ["a"]  # 5 s of listening heard nothing
+    assert peers.silence("stranger", 19.0) == 0.0
+
+
 def test_token_fields_round_trip_through_scattered_blocks() -> None:
     buffers = DataBuffers(BufferLayout(8, 4, 8, 0, torch.bfloat16), shared=False)
     try:
