@@ -48,9 +48,9 @@ class EncoderConfig:
     )
     vision_attention: str = field(
         "grouped",
-        help="how the vision tower attends within each image (and window): grouped (equal-length "
-        "pieces of a batch in one SDPA call each; the same arithmetic) | per_piece "
-        "(transformers' own loop, one SDPA call per piece)",
+        help="how the vision tower attends within each image (and window): grouped (our forward: "
+        "equal-length pieces of a batch in one SDPA call each, rotary in a few passes; the same "
+        "arithmetic) | per_piece (transformers' own forward, one SDPA call per piece)",
     )
     # intake
     max_image_bytes: int = field(20 << 20, help="largest encoded image accepted, in bytes")
