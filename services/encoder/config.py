@@ -114,9 +114,9 @@ class EncoderConfig:
     max_queued_requests: int = field(64, help="requests queued or encoding; more are refused")
     max_queued_pixel_mb: int = field(
         1024,
-        help="MiB of image patches (the tower's dtype: ~19 KB per image token in fp32, half in "
-        "bf16) queued requests may hold; a "
-        "request that would exceed it is refused with RESOURCE_EXHAUSTED unless none are held",
+        help="MiB of image patches (in the tower's dtype: ~19 KB per image token in fp32, half "
+        "in bf16) queued requests may hold; a request that would exceed it is refused with "
+        "RESOURCE_EXHAUSTED unless none are held",
     )
     cache_mb: int = field(512, help="embedding cache size in MiB; 0 disables it")
     ship_per_image: bool = field(

@@ -93,9 +93,8 @@ class PreparedImage:
     key: bytes  # 16-byte cache key: pixels + preprocessing parameters + model revision
     grid_thw: tuple[int, int, int]  # in patches
     num_tokens: int  # t*h*w / merge**2: rows (image tokens) it yields
-    pixel_values: torch.Tensor | None = (
-        None  # [t*h*w, C*tp*p*p] patches (the tower's dtype) until consumed
-    )
+    # [t*h*w, C*tp*p*p] patches in the tower's dtype, until consumed
+    pixel_values: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # [num_tokens, row_width] wire dtype: a cache hit
     held_bytes: int = 0  # share of the pixel budget held for pixel_values (0 once given back)
 
