@@ -2,10 +2,10 @@
 
 Prefill chunks attend causally with an offset: query ``i`` of a chunk that follows
 ``prefix_len`` cached tokens sees keys ``0 .. prefix_len + i`` (an additive key bias made once
-per step, ``ExtendSegment.kv_bias``). Decode tokens see all their
-keys; each group of decode requests of similar KV length (``DecodeGroup``) is padded into one
-call with an additive key mask (-inf at the pads), so a long request does not pad the short
-ones of other groups to its length. A decode query is one token, so the ``heads / kv_heads``
+per step, ``ExtendSegment.kv_bias``). Decode tokens see all their keys; each group of decode
+requests of similar KV length (``DecodeGroup``) is padded into one call with an additive key
+mask (-inf at the pads), so a long request does not pad the short ones of other groups to its
+length. A decode query is one token, so the ``heads / kv_heads``
 query heads that share a KV head are laid out as that head's query rows: SDPA then reads each
 K/V head once instead of a copy repeated per query head (GQA).
 """
