@@ -26,15 +26,19 @@ def make_video(
     container: str = "mp4",
     options: dict | None = None,
     rotation: int = 0,
+    display_matrix: list[int] | None = None,
 ) -> bytes:
     """An encoded video of ``num_frames`` frames at ``fps``; ``rotation``: the display rotation
-    its container asks for (degrees counter-clockwise), as a phone writes it."""
+    its container asks for (degrees counter-clockwise), as a phone writes it; ``display_matrix``:
+    a whole display matrix instead (9 int32, FFmpeg's layout), flips included."""
     buf = io.BytesIO()
     with av.open(buf, "w", format=container, options=options or {}) as out:
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if rotation:
             stream.set_display_rotation(rotation)
+        if display_matrix is not None:
+            stream.set_display_matrix(display_matrix)
         for frame in video_frames(num_frames, width, height, seed):
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 out.mux(packet)

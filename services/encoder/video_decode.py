@@ -7,11 +7,13 @@ Two steps, so limits come before pixels:
   *without decoding them* to count the frames the file really holds (bounded by the frame
   limit, so a header that understates its length cannot make us read more). A declared frame
   count that disagrees with the packets is a lying header and is refused. Once every limit
-  passed, the first frame is decoded for the stream's display rotation (a phone's portrait
-  clip is stored landscape): the header's size is the displayed one.
+  passed, the first frame is decoded for the stream's display matrix (a phone's portrait clip
+  is stored landscape; a mirrored clip is stored flipped): the header's size is the displayed
+  one.
 * ``decode_frames`` decodes the stream once, front to back, and hands each wanted frame (by
   index) to a callback as 8-bit RGB; frames not wanted are decoded (the codec needs them) but
-  never converted, and turned upright by the display rotation. Every frame must have the
+  never converted, and shown as the display matrix says (``display_transform``: the quarter
+  turns and flips FFmpeg's own autorotation applies). Every frame must have the
   header's stored size. Between two frames it asks the
   request's ``StopCheck``, which raises ``DeadlineExpired`` once the deadline passed and
   ``RequestCancelled`` once the room was cancelled: a long clip is not decoded for a request
@@ -29,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable, Iterator
+import math
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -59,7 +63,8 @@ class VideoLimits:
 class VideoHeader:
     """What probing a video found: the facts sampling and the budget need. ``width`` and
     ``height`` are the frames' as displayed: a phone's portrait clip is stored landscape with a
-    display rotation, and its frames are turned upright as they are decoded."""
+    display rotation (a mirrored clip with a flip), and its frames are shown as the display
+    matrix says as they are decoded."""
 
     width: int
     height: int
@@ -67,6 +72,7 @@ class VideoHeader:
     fps: float  # its average frame rate
     codec: str
     rotation: int = 0  # degrees counter-clockwise the stored frames are turned: 0, 90, 180, 270
+    mirrored: bool = False  # stored frames are flipped left-right before they are turned
 
     @property
     def stored_size(self) -> tuple[int, int]:
@@ -125,19 +131,41 @@ def probe_video(data: bytes, limits: VideoLimits) -> VideoHeader:
             f"video is {num_frames / fps:.1f} s long ({num_frames} frames at {fps:g} fps); "
             f"the limit is {limits.max_seconds:g} s"
         )
-    rotation = _display_rotation(data)
+    rotation, mirrored = _display(data)
     if rotation in (90, 270):
         width, height = height, width
-    return VideoHeader(width, height, num_frames, fps, codec, rotation)
+    return VideoHeader(width, height, num_frames, fps, codec, rotation, mirrored)
 
 
-def _display_rotation(data: bytes) -> int:
-    """The display rotation of ``data``'s video stream, to the nearest quarter turn. NOTE: PyAV
-    reads a display matrix from decoded frames only, so the first frame is decoded (after every
-    limit passed); flips in the matrix are not applied."""
+def display_transform(matrix: Sequence[int]) -> tuple[int, bool]:
+    """(degrees counter-clockwise, mirrored) that show frames stored under FFmpeg's display
+    ``matrix`` (9 int32, ``AV_PKT_DATA_DISPLAYMATRIX``) as FFmpeg's own autorotation does: its
+    angle rounded to a quarter turn, and the flips its signs say (a mirrored frame is flipped
+    left-right, then turned). (0, False) for a matrix without an angle."""
+    a, b, c, d = (v / 65536 for v in (matrix[0], matrix[1], matrix[3], matrix[4]))
+    if math.hypot(a, c) == 0 or math.hypot(b, d) == 0:
+        return 0, False
+    clockwise = round(math.degrees(math.atan2(b / math.hypot(b, d), a / math.hypot(a, c))))
+    quarter = round(clockwise / 90) % 4
+    if quarter == 1:  # FFmpeg: transpose "cclock_flip" when c > 0, else "clock"
+        return (90, True) if c > 0 else (270, False)
+    if quarter == 3:  # "clock_flip" when c < 0, else "cclock"
+        return (270, True) if c < 0 else (90, False)
+    vflip = d < 0  # upside down: a left-right flip turned half way
+    if quarter == 2 and a < 0:  # "hflip" (and "vflip": both make a half turn)
+        return (180, False) if vflip else (0, True)
+    return (180, True) if vflip else (0, False)  # "vflip" alone, or nothing
+
+
+def _display(data: bytes) -> tuple[int, bool]:
+    """``display_transform`` of ``data``'s video stream. NOTE: PyAV reads the display matrix
+    from decoded frames only, so the first frame is decoded (after every limit passed)."""
     with _reading(data) as container:
         for frame in container.decode(container.streams.video[0]):
-            return round((frame.rotation or 0) / 90) % 4 * 90
+            for side in frame.side_data:
+                if side.type == av.sidedata.sidedata.Type.DISPLAYMATRIX and side.buffer_size >= 36:
+                    return display_transform(struct.unpack("<9i", bytes(side)[:36]))
+            return 0, False
     raise InvalidInput("video stream holds no decodable frame")
 
 
@@ -169,7 +197,9 @@ def decode_frames(
                         f"{stored_w}x{stored_h}"
                     )
                 rgb = frame.to_ndarray(format="rgb24")
-                if header.rotation:  # upright, as displayed
+                if header.mirrored:
+                    rgb = rgb[:, ::-1]
+                if header.rotation or header.mirrored:  # as displayed
                     rgb = np.ascontiguousarray(np.rot90(rgb, header.rotation // 90))
                 on_frame(index, rgb)
                 pos += 1

@@ -23,7 +23,7 @@ from PIL import Image
 from services.encoder.config import EncoderConfig
 from services.encoder.pipeline import EncoderPipeline
 from services.encoder.types import ChatMessage, ContentPart, VideoInput, VideoSampling
-from services.encoder.video_decode import VideoHeader, VideoLimits, probe_video
+from services.encoder.video_decode import VideoHeader, VideoLimits, decode_frames, probe_video
 from services.encoder.video_sampling import VideoSettings, plan_video, sample_indices
 from tests.media import decoded_frames, make_video
 
@@ -211,6 +211,43 @@ def test_processor_fallback_cuts_the_same_patches(pipelines, arch):
     images._cutter = None
     slow = VideoPreprocessor(images, pipe.videos.defaults).cut(frames)
     assert torch.equal(fast, slow)
+
+
+def ffmpeg_display_matrix(clockwise: int, hflip: bool, vflip: bool) -> list[int]:
+    """FFmpeg's ``av_display_rotation_set`` (a clockwise turn) then ``av_display_matrix_flip``."""
+    radians = -math.radians(clockwise)
+    cos, sin = round(math.cos(radians)), round(math.sin(radians))
+    matrix = [cos << 16, -sin << 16, 0, sin << 16, cos << 16, 0, 0, 0, 1 << 30]
+    for i in range(9):  # a flip negates the matrix's first (h) or second (v) column
+        matrix[i] *= -1 if (i % 3 == 0 and hflip) or (i % 3 == 1 and vflip) else 1
+    return matrix
+
+
+def displayed(frame: np.ndarray, matrix: list[int]) -> np.ndarray:
+    """``frame`` as the display matrix maps it, from the matrix's definition: stored pixel
+    (x, y) shows at (a x + c y, b x + d y), shifted to start at 0 (y grows downwards)."""
+    a, b, c, d = (v >> 16 for v in (matrix[0], matrix[1], matrix[3], matrix[4]))
+    ys, xs = np.mgrid[0 : frame.shape[0], 0 : frame.shape[1]]
+    x2, y2 = a * xs + c * ys, b * xs + d * ys
+    x2, y2 = x2 - x2.min(), y2 - y2.min()
+    out = np.zeros((y2.max() + 1, x2.max() + 1, 3), np.uint8)
+    out[y2, x2] = frame
+    return out
+
+
+@pytest.mark.parametrize("clockwise", [0, 90, 180, 270])
+@pytest.mark.parametrize("flips", [(True, False), (False, True), (True, True)])
+def test_display_matrix_flips_are_applied(clockwise, flips):
+    """A mirrored clip (a display matrix with flips, as some cameras write): every one of the
+    eight orientations is decoded as its matrix says, by the matrix's own definition."""
+    matrix = ffmpeg_display_matrix(clockwise, *flips)
+    data = make_video(num_frames=4, width=56, height=28, fps=4, seed=7, display_matrix=matrix)
+    header = probe_video(data, VideoLimits())
+    expected = [displayed(f, matrix) for f in decoded_frames(data)]
+    assert (header.width, header.height) == expected[0].shape[1::-1]
+    got = []
+    decode_frames(data, header, list(range(4)), lambda _, rgb: got.append(rgb))
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
 
 
 @pytest.mark.parametrize("rotation", [0, 90, 180, 270])
