@@ -164,7 +164,8 @@ def _display(data: bytes) -> tuple[int, bool]:
         for frame in container.decode(container.streams.video[0]):
             for side in frame.side_data:
                 if side.type == av.sidedata.sidedata.Type.DISPLAYMATRIX and side.buffer_size >= 36:
-                    return display_transform(struct.unpack("<9i", bytes(side)[:36]))
+                    # FFmpeg stores the matrix as native int32
+                    return display_transform(struct.unpack("=9i", bytes(side)[:36]))
             return 0, False
     raise InvalidInput("video stream holds no decodable frame")
 
