@@ -208,7 +208,7 @@ class VisionBatcher:
     def _encode(self, batch: list[PreparedImage], waiters) -> BaseException | None:
         start = time.perf_counter()
         try:
-            pixels = torch.cat([image.pixel_values for image in batch])  # type: ignore[misc]
+            pixels = torch.cat([image.patches() for image in batch])
             per_image = self._forward(pixels, [image.grid_thw for image in batch])
         except Exception as exc:  # a failed forward fails its tasks, not the loop
             logger.exception("ViT forward failed for %d images", len(batch))

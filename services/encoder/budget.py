@@ -58,5 +58,5 @@ class PixelBudget:
         """Drop ``image``'s pixels and give its share back (once; later calls do nothing)."""
         with self._lock:
             nbytes, image.held_bytes = image.held_bytes, 0
-            image.pixel_values = None
+            image.pixel_values = image.pending = None
             self._used -= nbytes

@@ -168,9 +168,8 @@ class EncoderPipeline:
         # the reservation passes to the units that hold patches; hits and duplicates give back
         held = 0
         for image in {id(im): im for im in prompt.images}.values():
-            if image.pixel_values is not None:
-                image.held_bytes = image.pixel_values.numel() * image.pixel_values.element_size()
-                held += image.held_bytes
+            image.held_bytes = image.patch_bytes
+            held += image.held_bytes
         self.budget.release(need - held)
         return prompt
 

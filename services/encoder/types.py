@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -96,12 +97,38 @@ class PreparedImage:
     # [t*h*w, C*tp*p*p] patches in the tower's dtype, until consumed
     pixel_values: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # [num_tokens, row_width] wire dtype: a cache hit
-    held_bytes: int = 0  # share of the pixel budget held for pixel_values (0 once given back)
+    held_bytes: int = 0  # share of the pixel budget held for its patches (0 once given back)
+    # a video frame group's patches, cut when the ViT takes the group (``patches``): its
+    # decoded frames wait instead of the floats, and the Encode call does not cut them all
+    pending: PendingPatches | None = None
 
     @property
     def num_patches(self) -> int:
         t, h, w = self.grid_thw
         return t * h * w
+
+    @property
+    def patch_bytes(self) -> int:
+        """What its patches take (or will take, once cut)."""
+        if self.pixel_values is not None:
+            return self.pixel_values.numel() * self.pixel_values.element_size()
+        return self.pending.nbytes if self.pending is not None else 0
+
+    def patches(self) -> torch.Tensor:
+        """Its patches, cut now when they are pending (the ViT thread's call)."""
+        if self.pixel_values is None and self.pending is not None:
+            self.pixel_values, self.pending = self.pending.cut(), None
+        if self.pixel_values is None:
+            raise RuntimeError("the image's patches were given back")
+        return self.pixel_values
+
+
+@dataclass(frozen=True)
+class PendingPatches:
+    """Patches not cut yet: ``cut()`` makes them (``nbytes`` of them)."""
+
+    cut: Callable[[], torch.Tensor]
+    nbytes: int
 
 
 @dataclass(eq=False)

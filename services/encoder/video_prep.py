@@ -2,9 +2,10 @@
 ViT unit per frame group, or its groups' rows taken from the embedding cache.
 
 Frames are resized like images (PIL bicubic, to the plan's size) as soon as they are decoded,
-so only resized frames are held; they are normalized and cut with the image path's lookup table
-(``PatchCutter.cut_frames``: ``[grid_h * grid_w, C * temporal * p * p]`` per group, the video
-processor's layout). The checkpoint's image processor gives the normalization (Qwen's video
+so only resized frames are held; a group's frames are normalized and cut with the image path's
+lookup table when the ViT takes the group (``PatchCutter.cut_frames``: ``[grid_h * grid_w,
+C * temporal * p * p]`` per group, the video processor's layout), not while the Encode call
+waits. The checkpoint's image processor gives the normalization (Qwen's video
 processors use the same mean and std).
 
 Keys: the video's key is xxh3_128 over the preprocessing parameters, the plan (frame indices,
@@ -15,6 +16,7 @@ over the video's key and ``g``. The same clip sampled differently is another vid
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import numpy as np
 import torch
@@ -24,7 +26,7 @@ from PIL import Image
 from .cache import EmbeddingCache
 from .preprocess import ImagePreprocessor
 from .stop import StopCheck
-from .types import PreparedImage, PreparedVideo
+from .types import PendingPatches, PreparedImage, PreparedVideo
 from .video_decode import VideoHeader, decode_frames
 from .video_sampling import VideoPlan, VideoSettings, plan_video
 
@@ -55,20 +57,23 @@ class VideoPreprocessor:
         cache: EmbeddingCache | None,
         stop: StopCheck | None = None,
     ) -> PreparedVideo:
-        """Decode the plan's frames, key the video, and cut each uncached group's patches;
-        the decode stops between frames when ``stop`` says so (``DeadlineExpired``,
-        ``RequestCancelled``)."""
+        """Decode the plan's frames and key the video; each uncached group keeps its frames
+        and is cut when the ViT takes it (``PreparedImage.patches``), so the first groups are
+        encoded while later ones wait as bytes. The decode stops between frames when ``stop``
+        says so (``DeadlineExpired``, ``RequestCancelled``)."""
         frames = self.sampled_frames(data, header, plan, stop)
         key = self._key(plan, frames)
         tp = self.temporal_patch_size
+        group_bytes = plan.pixel_bytes // plan.grid_thw[0]
         groups = []
         for g, group_key in enumerate(self._group_keys(key, plan)):
             rows = cache.get(group_key) if cache is not None else None
             if rows is not None:
                 groups.append(self._group(plan, group_key, rows=rows))
                 continue
-            pixels = self.cut(frames[g * tp : (g + 1) * tp])
-            groups.append(self._group(plan, group_key, pixel_values=pixels))
+            cut = partial(self.cut, frames[g * tp : (g + 1) * tp])
+            pending = PendingPatches(cut, group_bytes)
+            groups.append(self._group(plan, group_key, pending=pending))
         return self._video(key, plan, groups)
 
     def cached(self, key: bytes, plan: VideoPlan, cache: EmbeddingCache) -> PreparedVideo | None:
@@ -90,7 +95,7 @@ class VideoPreprocessor:
             xxhash.xxh3_128(key + g.to_bytes(4, "little")).digest() for g in range(plan.grid_thw[0])
         ]
 
-    def _group(self, plan: VideoPlan, key: bytes, **content: torch.Tensor) -> PreparedImage:
+    def _group(self, plan: VideoPlan, key: bytes, **content) -> PreparedImage:
         _, grid_h, grid_w = plan.grid_thw
         return PreparedImage(
             key, (1, grid_h, grid_w), grid_h * grid_w // self.merge_size**2, **content

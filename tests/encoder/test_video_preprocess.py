@@ -136,7 +136,11 @@ def test_patches_and_rows_match_the_references(pipelines, arch):
     bicubic = Image.Resampling.BICUBIC
     chosen = [Image.fromarray(frames[i]).resize(size, bicubic) for i in plan.indices]
     expected = patchify(torch.stack([normalized_frame(proc, f) for f in chosen]), p, m, tp)
-    got = torch.cat([group.pixel_values for group in video.groups])
+    # the groups wait as frames (cut when the ViT takes them) and hold their patches' share
+    assert all(g.pixel_values is None and g.pending is not None for g in video.groups)
+    assert sum(g.held_bytes for g in video.groups) == plan.pixel_bytes == pipe.budget.used_bytes
+    got = torch.cat([group.patches() for group in video.groups])
+    assert all(g.pending is None for g in video.groups)
     assert video.grid_thw == (len(chosen) // 2, plan.height // p, plan.width // p)
     assert torch.equal(got, expected)
     # rows: the whole video in one forward == its frame groups one by one
