@@ -79,7 +79,8 @@ def test_rotate_qk_is_transformers_rotary(arch, dtype) -> None:
     qkv = torch.randn(seq, 3, heads, head_dim, generator=generator).to(dtype)
     angles = torch.randn(seq, head_dim, generator=generator) * 10
     cos, sin = angles.cos(), angles.sin()
-    query, key = rotate_qk(qkv, cos, sin)
     expected = module.apply_rotary_pos_emb_vision(qkv[:, 0], qkv[:, 1], cos, sin)
-    assert query.dtype == key.dtype == dtype
-    assert torch.equal(query, expected[0]) and torch.equal(key, expected[1])
+    for block_rows in (1024, 8):  # one block; blocks with a ragged last one
+        query, key = rotate_qk(qkv, cos, sin, block_rows)
+        assert query.dtype == key.dtype == dtype
+        assert torch.equal(query, expected[0]) and torch.equal(key, expected[1])
