@@ -27,6 +27,8 @@ from PIL import Image
 
 logger = logging.getLogger(__name__)
 
+BLOCK_VALUES = 1 << 16  # patch values cut at a time (256 KB of int32 indices)
+
 
 class PatchCutter:
     def __init__(
@@ -93,12 +95,22 @@ class PatchCutter:
         return self._cut(torch.from_numpy(np.stack(frames)))
 
     def _cut(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[T, H, W, C] uint8 -> normalized [grid_h * grid_w, C * T * p * p] in ``dtype``."""
+        """[T, H, W, C] uint8 -> normalized [grid_h * grid_w, C * T * p * p] in ``dtype``,
+        ``BLOCK_VALUES`` at a time (a few rows of merged patches: their int32 indices stay in
+        the core's cache)."""
         frames, height, width, channels = pixels.shape
         p, m = self.patch_size, self.merge_size
         grid_h, grid_w = height // p, width // p
         patches = pixels.reshape(frames, grid_h // m, m, p, grid_w // m, m, p, channels)
         patches = patches.permute(1, 4, 2, 5, 7, 0, 3, 6)  # (gh, gw, mh, mw, C, T, ph, pw)
-        rows = patches.to(torch.int32, memory_format=torch.contiguous_format)
-        rows += self._row_offsets[:, None, None, None]  # C is the 4th dim from the end
-        return self._flat_table[rows.view(-1)].view(grid_h * grid_w, -1)
+        out = torch.empty(grid_h * grid_w * channels * frames * p * p, dtype=self.dtype)
+        per_row = patches[0].numel()  # values in one row of merged patches
+        block = max(1, BLOCK_VALUES // per_row)
+        for start in range(0, grid_h // m, block):
+            rows = patches[start : start + block].to(
+                torch.int32, memory_format=torch.contiguous_format
+            )
+            rows += self._row_offsets[:, None, None, None]  # C is the 4th dim from the end
+            end = start * per_row + rows.numel()
+            torch.index_select(self._flat_table, 0, rows.view(-1), out=out[start * per_row : end])
+        return out.view(grid_h * grid_w, -1)
