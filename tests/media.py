@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from fractions import Fraction
 
 import av
 import numpy as np
@@ -27,20 +28,28 @@ def make_video(
     options: dict | None = None,
     rotation: int = 0,
     display_matrix: list[int] | None = None,
+    times_ms: list[int] | None = None,
 ) -> bytes:
     """An encoded video of ``num_frames`` frames at ``fps``; ``rotation``: the display rotation
     its container asks for (degrees counter-clockwise), as a phone writes it; ``display_matrix``:
-    a whole display matrix instead (9 int32, FFmpeg's layout), flips included."""
+    a whole display matrix instead (9 int32, FFmpeg's layout), flips included; ``times_ms``: each
+    frame's time instead (a variable frame rate; a millisecond time base, one frame each)."""
     buf = io.BytesIO()
     with av.open(buf, "w", format=container, options=options or {}) as out:
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if times_ms is not None:
+            num_frames = len(times_ms)
+            stream.time_base = stream.codec_context.time_base = Fraction(1, 1000)
         if rotation:
             stream.set_display_rotation(rotation)
         if display_matrix is not None:
             stream.set_display_matrix(display_matrix)
-        for frame in video_frames(num_frames, width, height, seed):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+        for i, frame in enumerate(video_frames(num_frames, width, height, seed)):
+            picture = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            if times_ms is not None:
+                picture.pts, picture.time_base = times_ms[i], Fraction(1, 1000)
+            for packet in stream.encode(picture):
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)

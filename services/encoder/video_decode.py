@@ -5,8 +5,11 @@ Two steps, so limits come before pixels:
 * ``probe_video`` opens the container, reads its header (streams, frame size, rate, duration,
   declared frame count) and checks the limits there; then it demuxes the video stream's packets
   *without decoding them* to count the frames the file really holds (bounded by the frame
-  limit, so a header that understates its length cannot make us read more). A declared frame
-  count that disagrees with the packets is a lying header and is refused. Once every limit
+  limit, so a header that understates its length cannot make us read more) and to see the span
+  of their timestamps. A declared frame count that disagrees with the packets is a lying header
+  and is refused, unless the timestamps fill the duration it declares (a variable-rate AVI
+  counts time-base ticks, not frames); the frame rate is the header's, or the timestamps' when
+  the header has none or counts ticks (``frame_rate``). Once every limit
   passed, the first frame is decoded for the stream's display matrix (a phone's portrait clip
   is stored landscape; a mirrored clip is stored flipped): the header's size is the displayed
   one.
@@ -106,9 +109,7 @@ def probe_video(data: bytes, limits: VideoLimits) -> VideoHeader:
             raise InvalidInput("video header has no frame size (corrupt or unsupported)")
         check_size(width, height, limits.frame)
         rate = stream.average_rate or stream.guessed_rate
-        fps = float(rate) if rate else 0.0
-        if not fps > 0:
-            raise InvalidInput("video header has no frame rate")
+        header_fps = float(rate) if rate else 0.0
         declared_s = _declared_seconds(stream, container)
         if declared_s > limits.max_seconds:
             raise InvalidInput(
@@ -117,15 +118,11 @@ def probe_video(data: bytes, limits: VideoLimits) -> VideoHeader:
         declared = int(stream.frames or 0)
         if declared > limits.max_frames:
             raise InvalidInput(f"video has {declared} frames; the limit is {limits.max_frames}")
-        num_frames = _count_packets(container, stream, limits.max_frames)
+        num_frames, timed_s = _scan_packets(container, stream, limits.max_frames)
         codec = ctx.name
     if num_frames == 0:
         raise InvalidInput("video stream holds no frames")
-    if declared and declared != num_frames:
-        raise InvalidInput(
-            f"video header says {declared} frames but its stream holds {num_frames} "
-            "(truncated or corrupt)"
-        )
+    fps = frame_rate(header_fps, declared, num_frames, timed_s, declared_s)
     if num_frames / fps > limits.max_seconds:
         raise InvalidInput(
             f"video is {num_frames / fps:.1f} s long ({num_frames} frames at {fps:g} fps); "
@@ -254,12 +251,49 @@ def _declared_seconds(stream, container) -> float:
     return 0.0
 
 
-def _count_packets(container, stream, max_frames: int) -> int:
-    """Video packets with data in the stream, demuxed (not decoded); refused past the limit."""
+def _scan_packets(container, stream, max_frames: int) -> tuple[int, float]:
+    """(video packets with data in the stream, seconds their timestamps span: the first start
+    to the last one's plus the mean interval, 0 when they do not tell), demuxed, not decoded;
+    refused past the frame limit."""
     num = 0
+    first = last = None
     for packet in container.demux(stream):
-        if packet.size:
-            num += 1
-            if num > max_frames:
-                raise InvalidInput(f"video has more than {max_frames} frames (the limit)")
-    return num
+        if not packet.size:
+            continue
+        num += 1
+        if num > max_frames:
+            raise InvalidInput(f"video has more than {max_frames} frames (the limit)")
+        if packet.pts is not None:
+            first = packet.pts if first is None else min(first, packet.pts)
+            last = packet.pts if last is None else max(last, packet.pts)
+    if num < 2 or first is None or last <= first or not stream.time_base:
+        return num, 0.0
+    return num, float((last - first) * Fraction(stream.time_base)) * num / (num - 1)
+
+
+def frame_rate(
+    header_fps: float, declared_frames: int, num_frames: int, timed_s: float, declared_s: float
+) -> float:
+    """A clip's average frame rate, from what probing found: the header's rate when the header
+    counts the frames the stream holds (or counts none); else the packets' timestamps, as for a
+    variable-rate clip whose header counts time-base ticks, not frames (AVI) or a stream with no
+    rate at all; else the declared duration. Raises InvalidInput when the header's count
+    disagrees with the stream unless it is ticks (it is the declared duration at the header's
+    rate, and the timestamps fill that duration): a truncated file, a header that lies; or when
+    nothing gives a rate."""
+    ticks = declared_s * header_fps
+    counts_ticks = (
+        abs(declared_frames - ticks) <= max(1.0, 0.01 * ticks)
+        and timed_s >= 0.9 * declared_s > 0
+    )
+    if declared_frames not in (0, num_frames) and not counts_ticks:
+        raise InvalidInput(
+            f"video header says {declared_frames} frames but its stream holds {num_frames} "
+            "(truncated or corrupt)"
+        )
+    if header_fps > 0 and declared_frames in (0, num_frames):
+        return header_fps
+    for seconds in (timed_s, declared_s):
+        if seconds > 0:
+            return num_frames / seconds
+    raise InvalidInput("video has no frame rate: neither its header nor its timestamps give one")

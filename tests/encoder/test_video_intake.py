@@ -23,6 +23,7 @@ from services.encoder.types import (
     VideoInput,
     VideoSampling,
 )
+from services.encoder.video_decode import VideoLimits, frame_rate, probe_video
 from tests.media import make_audio_only, make_empty_video, make_video
 
 
@@ -101,6 +102,48 @@ def test_bad_video_is_refused_naming_it(video_pipeline, name):
     # and the pipeline keeps serving
     prompt = video_pipeline.prepare(request(good))
     video_pipeline.discard(prompt)
+
+
+def test_a_variable_rate_clip_takes_its_rate_from_its_timestamps(video_pipeline):
+    # FFmpeg's AVI counts 1 ms ticks in its header (1,500 "frames") for 8 frames of 1.25 s
+    times = [0, 100, 250, 400, 700, 800, 1000, 1250]
+    data = make_video(times_ms=times, container="avi")
+    header = probe_video(data, VideoLimits())
+    assert header.num_frames == 8
+    assert header.fps == pytest.approx(8 / (1.25 * 8 / 7))  # the span plus a mean interval
+    prompt = video_pipeline.prepare(request(VideoInput(data)))
+    video_pipeline.discard(prompt)
+    (video,) = prompt.items  # 1.43 s at 2 fps: 4 frames, 2 groups
+    assert (video.num_frames, video.grid_thw[0]) == (4, 2)
+
+
+@pytest.mark.parametrize(
+    ("facts", "fps"),
+    [
+        ((30.0, 90, 90, 2.9, 3.0), 30.0),  # the header counts the stream's frames: its rate
+        ((30.0, 0, 90, 2.9, 0.0), 30.0),  # it counts none
+        ((0.0, 90, 90, 3.0, 3.0), 30.0),  # no rate in the header: the timestamps'
+        ((0.0, 0, 90, 0.0, 4.5), 20.0),  # nor timestamps: the declared duration's
+        ((1000.0, 1500, 8, 1.43, 1.5), 8 / 1.43),  # ticks counted, timestamps fill the time
+    ],
+)
+def test_frame_rate_from_what_probing_found(facts, fps):
+    assert frame_rate(*facts) == pytest.approx(fps)
+
+
+@pytest.mark.parametrize(
+    ("facts", "message"),
+    [
+        ((30.0, 90, 45, 1.5, 3.0), "header says 90 frames but its stream holds 45"),
+        ((30.0, 90, 45, 0.0, 3.0), "header says 90 frames but its stream holds 45"),
+        # as many frames as ticks would be, but at 400 fps by the header's own duration
+        ((4.0, 1000, 10, 2.5, 2.5), "header says 1000 frames but its stream holds 10"),
+        ((0.0, 0, 45, 0.0, 0.0), "video has no frame rate"),
+    ],
+)
+def test_a_rate_nothing_supports_is_refused(facts, message):
+    with pytest.raises(InvalidInput, match=message):
+        frame_rate(*facts)
 
 
 def test_limits_from_the_header(video_pipeline):
