@@ -283,8 +283,7 @@ def frame_rate(
     nothing gives a rate."""
     ticks = declared_s * header_fps
     counts_ticks = (
-        abs(declared_frames - ticks) <= max(1.0, 0.01 * ticks)
-        and timed_s >= 0.9 * declared_s > 0
+        abs(declared_frames - ticks) <= max(1.0, 0.01 * ticks) and timed_s >= 0.9 * declared_s > 0
     )
     if declared_frames not in (0, num_frames) and not counts_ticks:
         raise InvalidInput(
