@@ -84,8 +84,11 @@ class PatchCutter:
     def __call__(self, img: Image.Image) -> torch.Tensor:
         """Flat patches of ``img`` (RGB, sides multiples of patch * merge), the frame
         repeated ``temporal_patch_size`` times (an image)."""
-        pixels = torch.from_numpy(np.array(img))[None]  # [1, H, W, C]
-        return self._cut(pixels.expand(self.temporal_patch_size, -1, -1, -1))
+        once = self._cut(torch.from_numpy(np.array(img))[None])  # [N, C * p * p]: one frame
+        n, t = once.shape[0], self.temporal_patch_size
+        channels = self.table.shape[0]
+        # each channel's values repeated per frame: the lookup runs once, the copy t times
+        return once.view(n, channels, 1, -1).expand(n, channels, t, -1).reshape(n, -1)
 
     def cut_frames(self, frames: list[np.ndarray]) -> torch.Tensor:
         """Flat patches of one video frame group: ``temporal_patch_size`` RGB frames
