@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import pybase64
+
 from .errors import InvalidInput
 from .remote import fetch_url
 from .types import ImageSource
@@ -61,6 +63,10 @@ def _decode_base64(text: str, max_bytes: int, noun: str) -> bytes:
     if len(text) * 3 // 4 > max_bytes + 3:
         raise InvalidInput(f"base64 {noun} exceeds the limit of {max_bytes} bytes")
     try:
+        return pybase64.b64decode(text, validate=True)  # SIMD: ~50x the standard library's
+    except (binascii.Error, ValueError):
+        pass
+    try:  # MIME line breaks, or an error to name in the standard library's words
         return base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
         raise InvalidInput(f"invalid base64 {noun} data ({exc})") from None
