@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.language.engine import sampling
 from services.language.engine.grammar import Guide
 from services.language.engine.request import ErrorKind, FinishReason, RequestError
 from services.language.engine.sampling import (
@@ -130,6 +131,29 @@ def test_greedy_rows_with_forbidden_maxima_take_the_allowed_maximum_row_by_row(d
         else:
             assert token == int(masked.argmax())
     assert tokens[2] == 7
+
+
+def test_forbidden_maxima_are_stepped_over_before_the_whole_mask_is_read(monkeypatch):
+    """A row whose next maximum is allowed takes it after a round or two; only a row whose
+    first ``NEXT_MAXIMA + 1`` maxima are all forbidden reads its whole mask."""
+    vocab = 64
+    logits = torch.arange(vocab, dtype=torch.float32).flip(0).repeat(3, 1)  # token 0 is best
+    allow = [set(range(1, vocab)), set(range(2, vocab)), set(range(sampling.NEXT_MAXIMA + 1, 40))]
+    masks = [bytes(np.packbits([t in a for t in range(vocab)], bitorder="little")) for a in allow]
+    whole_mask_rows = []
+    masked_max = sampling._masked_max
+
+    def counted(logits, rows, packed):
+        whole_mask_rows.extend(rows)
+        return masked_max(logits, rows, packed)
+
+    monkeypatch.setattr(sampling, "_masked_max", counted)
+    with ThreadPoolExecutor(1) as pool:
+        guides = [Guide(_Known(m), pool) for m in masks]
+        greedy = SamplerState.create(SamplingParams())
+        tokens = sample(logits, [greedy] * 3, guides)
+    assert tokens == [1, 2, sampling.NEXT_MAXIMA + 1]
+    assert whole_mask_rows == [2]
 
 
 def test_every_kind_of_language(engine):

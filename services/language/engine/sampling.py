@@ -312,17 +312,60 @@ def sample(
                 out.append(exc)
     forbidden_max = [i for i, token in enumerate(out) if token is None]
     if forbidden_max:
-        packed = [constraints[i].packed() for i in forbidden_max]
-        tokens = _allowed_max(logits, forbidden_max, packed)
+        row_constraints = [constraints[i] for i in forbidden_max]
+        firsts = [greedy[i] for i in forbidden_max]
+        tokens = _allowed_max(logits, forbidden_max, firsts, row_constraints)
         for i, token in zip(forbidden_max, tokens, strict=True):
             out[i] = token
     return out
 
 
 NO_ALLOWED_TOKEN = "no token the structured output allows has a finite logit"
+NEXT_MAXIMA = 3  # rounds of "forbid the maximum, take the next one" before the masked reduction
 
 
 def _allowed_max(
+    logits: torch.Tensor, rows: list[int], forbidden: list[int], constraints: list[Constraint]
+) -> list[int | Exception]:
+    """The first maximum among the allowed tokens of each of ``rows`` of ``logits``, whose
+    maximum ``forbidden[i]`` its constraint forbids.
+
+    A grammar that forbids a row's maximum mostly allows nearly everything else (inside a JSON
+    string every token without a quote or a control character), so first a few rounds over a
+    copy of those rows: the forbidden maximum goes to -inf and the next first maximum is asked
+    about (one bit of the mask). Removing forbidden maxima one by one leaves the first maximum
+    of the allowed tokens on top, ties in index order included. Rows still without a token
+    after ``NEXT_MAXIMA`` rounds (or whose next maximum is -inf) take the masked reduction
+    over their whole mask (``_masked_max``)."""
+    out: list[int | Exception | None] = [None] * len(rows)
+    pending = list(range(len(rows)))
+    copy = logits.index_select(0, torch.tensor(rows, device=logits.device))
+    for _ in range(NEXT_MAXIMA):
+        index = torch.tensor(pending, device=logits.device)
+        drop = torch.tensor([forbidden[j] for j in pending], device=logits.device)
+        copy.index_put_((index, drop), torch.tensor(float("-inf"), dtype=copy.dtype))
+        values, tokens = row_max(copy if len(pending) == len(rows) else copy[index])
+        still = []
+        for j, value, token in zip(pending, values.tolist(), tokens.tolist(), strict=True):
+            if value == float("-inf"):
+                still.append(j)  # nothing finite left but forbidden tokens, perhaps: exactly below
+            elif constraints[j].allows(token):
+                out[j] = token
+            else:
+                forbidden[j] = token
+                still.append(j)
+        pending = still
+        if not pending:
+            return out  # type: ignore[return-value]
+    tokens = _masked_max(
+        logits, [rows[j] for j in pending], [constraints[j].packed() for j in pending]
+    )
+    for j, token in zip(pending, tokens, strict=True):
+        out[j] = token
+    return out  # type: ignore[return-value]
+
+
+def _masked_max(
     logits: torch.Tensor, rows: list[int], packed: list[bytes]
 ) -> list[int | Exception]:
     """The first maximum among the allowed tokens (``packed`` masks, see ``Constraint``) of
