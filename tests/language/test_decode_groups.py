@@ -93,6 +93,11 @@ def test_grouped_decode_attention_equals_unpadded_per_request(dtype):
         logit_rows=torch.arange(len(kv_lens)),
     )
     assert batch.num_keys == sum(g.kv_slots.numel() for g in built) < len(kv_lens) * max(kv_lens)
+    # a group of one length has no pads and attends without a mask
+    assert [g.kv_bias is None for g in built] == [
+        len(set(kv_lens[i] for i in g)) == 1 for g in groups
+    ]
+    assert any(g.kv_bias is None for g in built) and any(g.kv_bias is not None for g in built)
     scale = HEAD_DIM**-0.5
     out = paged_attention(q, k_cache, v_cache, batch, scale)
     for row, i in enumerate(order):

@@ -55,7 +55,10 @@ def pad_decode_group(
     """The group of the requests whose KV slots are ``slots`` (rows ``row_start`` on), padded
     on the left to the longest: a pad repeats the request's own first slot (always written,
     masked out), never a slot another request or nobody wrote. Left padding keeps each
-    request's newest slot, the one this step writes, in the last column."""
+    request's newest slot, the one this step writes, in the last column. A group whose requests
+    are all of one length (one request alone, a long one's usual case) has no pads and no mask."""
+    if all(s.shape[0] == slots[0].shape[0] for s in slots):
+        return DecodeGroup(row_start=row_start, kv_slots=torch.stack(slots).to(device))
     lens = torch.tensor([s.shape[0] for s in slots])
     max_len = int(lens.max())
     flat = torch.cat(slots)

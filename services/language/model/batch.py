@@ -52,8 +52,9 @@ class DecodeGroup:
     row_start: int  # first row of the group in the flat batch
     kv_slots: torch.Tensor  # long [n, max_kv_len], padded with each request's own first slot
     # [n, 1, 1, max_kv_len] in the model's dtype, added to the scores: 0 at real keys, -inf at
-    # pads (made once per step; a bool mask is converted to this by every attention call)
-    kv_bias: torch.Tensor
+    # pads (made once per step; a bool mask is converted to this by every attention call);
+    # None when the group has no pads
+    kv_bias: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
