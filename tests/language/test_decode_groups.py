@@ -13,7 +13,7 @@ from services.language.engine.decode_groups import group_by_kv_len, pad_decode_g
 from services.language.engine.model_runner import ModelRunner
 from services.language.engine.sampling import SamplingParams
 from services.language.model.attention import paged_attention
-from services.language.model.batch import ForwardBatch
+from services.language.model.batch import ExtendSegment, ForwardBatch, slot_run
 from tests.language.conftest import make_image, run_to_completion, tokens_of
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
@@ -103,6 +103,47 @@ def test_grouped_decode_attention_equals_unpadded_per_request(dtype):
     for row, i in enumerate(order):
         want = reference(q[row], k_cache[slots[i]], v_cache[slots[i]], scale)
         torch.testing.assert_close(out[row].float(), want, **TOL[dtype])
+
+
+def test_slot_run():
+    assert slot_run(torch.arange(5, 9)) == (5, 9)
+    assert slot_run(torch.tensor([4])) == (4, 5)
+    assert slot_run(torch.tensor([5, 6, 8])) is None
+    assert slot_run(torch.tensor([5, 7, 6, 8])) is None  # the right ends, not a run
+    assert slot_run(torch.tensor([8, 7, 6])) is None
+    assert slot_run(torch.empty(0, dtype=torch.long)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_in_one_run_read_in_place_equal_the_gathered_ones(dtype):
+    """A decode request and a prefill chunk whose slots are one run read a slice of the pool;
+    the same keys at scattered slots are gathered: the outputs are the same, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    length, num_slots, chunk = 700, 2000, 64
+    k_cache = torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    run = torch.arange(100, 100 + length)
+    scattered = torch.randperm(num_slots - 1000, generator=gen)[:length] + 1000
+    k_cache[scattered], v_cache[scattered] = k_cache[run], v_cache[run]
+    q = torch.randn(1 + chunk, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    outs = []
+    for slots in (run, scattered):
+        group = pad_decode_group(0, [slots], dtype, torch.device("cpu"))
+        segment = ExtendSegment.causal(1, slots, chunk, dtype)
+        assert (group.kv_run, segment.kv_run) == (
+            ((100, 800),) * 2 if slots is run else (None,) * 2
+        )
+        batch = ForwardBatch(
+            fill_ids=torch.zeros(1 + chunk, dtype=torch.long),
+            positions=torch.zeros(3, 1 + chunk, dtype=torch.long),
+            image_rows=None,
+            out_slots=slots[-1:],
+            extends=[segment],
+            decode_groups=[group],
+            logit_rows=torch.arange(1),
+        )
+        outs.append(paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_engine_with_a_group_per_length_matches_transformers(harness, monkeypatch):

@@ -135,7 +135,11 @@ def test_allocator_hands_out_fresh_slots_in_order_and_reuses_freed_ones_first():
     assert allocator.alloc(2).tolist() == [3, 4]
     allocator.free(torch.tensor([1, 3]))
     assert allocator.num_free == 7
-    assert allocator.alloc(3).tolist() == [3, 1, 5]  # last freed first, then fresh
+    # the last freed first, in the order they were freed (a run comes back a run), then fresh
+    assert allocator.alloc(3).tolist() == [1, 3, 5]
+    allocator.free(torch.tensor([1, 3, 5]))
+    assert allocator.alloc(2).tolist() == [3, 5]
+    assert allocator.alloc(1).tolist() == [1]
     with pytest.raises(RuntimeError, match="double free"):
         allocator.free(torch.tensor([6]))  # never handed out
     with pytest.raises(RuntimeError, match="double free"):

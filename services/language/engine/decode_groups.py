@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.language.model.batch import DecodeGroup
+from services.language.model.batch import DecodeGroup, slot_run
 
 MAX_PAD_FACTOR = 1.25  # padded keys / real keys a group may reach
 PAD_SLACK_KEYS = 256  # padding a group may hold whatever the factor: less than a call costs
@@ -58,7 +58,8 @@ def pad_decode_group(
     request's newest slot, the one this step writes, in the last column. A group whose requests
     are all of one length (one request alone, a long one's usual case) has no pads and no mask."""
     if all(s.shape[0] == slots[0].shape[0] for s in slots):
-        return DecodeGroup(row_start=row_start, kv_slots=torch.stack(slots).to(device))
+        run = slot_run(slots[0]) if len(slots) == 1 else None
+        return DecodeGroup(row_start, torch.stack(slots).to(device), kv_run=run)
     lens = torch.tensor([s.shape[0] for s in slots])
     max_len = int(lens.max())
     flat = torch.cat(slots)

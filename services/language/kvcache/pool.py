@@ -47,9 +47,10 @@ class SlotAllocator:
     """Free slot ids. Invariant: every slot is either free here or owned elsewhere (a request or
     the radix cache), never both; ``free`` of a free slot raises.
 
-    Free slots are the freed ones (a stack, most recent on top) and the never-used ones
-    (``num_fresh`` of them, from ``num_slots - num_fresh`` up). Both arrays are zero-filled or
-    empty at start, so their memory too is committed only as slots are used.
+    Free slots are the freed ones (a stack, most recent on top; a block taken from it keeps the
+    order its slots were freed in, so a request's run of slots comes back a run) and the
+    never-used ones (``num_fresh`` of them, from ``num_slots - num_fresh`` up). Both arrays are
+    zero-filled or empty at start, so their memory too is committed only as slots are used.
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -69,7 +70,7 @@ class SlotAllocator:
             return None
         from_stack = min(num_tokens, self._num_stacked)
         top = self._num_stacked
-        reused = self._stack[top - from_stack : top][::-1]
+        reused = self._stack[top - from_stack : top]  # in the order freed: a run stays a run
         self._num_stacked -= from_stack
         first_fresh = self.num_slots - self._num_fresh
         fresh = np.arange(first_fresh, first_fresh + num_tokens - from_stack, dtype=np.int64)

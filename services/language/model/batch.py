@@ -16,6 +16,21 @@ from dataclasses import dataclass
 import torch
 
 
+def slot_run(slots: torch.Tensor) -> tuple[int, int] | None:
+    """``(first, end)`` when the 1-D ``slots`` are the run ``first, first + 1, ..., end - 1``:
+    their keys are then a slice of the pool, read in place instead of gathered (a long request
+    alone usually holds one run); None otherwise."""
+    n = int(slots.shape[0])
+    if n == 0 or slots.device.type != "cpu":
+        return None
+    first = int(slots[0])
+    if int(slots[-1]) - first != n - 1:
+        return None
+    if n > 1 and not bool(torch.all(slots[1:] - slots[:-1] == 1)):
+        return None
+    return first, first + n
+
+
 @dataclass
 class ExtendSegment:
     """One request with ``q_len >= 2`` new tokens (a prefill chunk) attending causally."""
@@ -28,6 +43,7 @@ class ExtendSegment:
     # mask costs a conversion per call and makes SDPA ~1.4x slower here); None without a prefix
     # (plain causal attention).
     kv_bias: torch.Tensor | None = None
+    kv_run: tuple[int, int] | None = None  # ``slot_run(kv_slots)``: the keys are a slice
 
     @classmethod
     def causal(
@@ -40,7 +56,7 @@ class ExtendSegment:
             shape = (q_len, prefix_len + q_len)
             bias = torch.full(shape, float("-inf"), dtype=dtype, device=kv_slots.device)
             bias.triu_(prefix_len + 1)
-        return cls(q_start, q_len, kv_slots, bias)
+        return cls(q_start, q_len, kv_slots, bias, slot_run(kv_slots))
 
 
 @dataclass
@@ -55,6 +71,7 @@ class DecodeGroup:
     # pads (made once per step; a bool mask is converted to this by every attention call);
     # None when the group has no pads
     kv_bias: torch.Tensor | None = None
+    kv_run: tuple[int, int] | None = None  # one request whose keys are a slice (``slot_run``)
 
     @property
     def num_rows(self) -> int:
