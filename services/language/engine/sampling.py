@@ -313,8 +313,8 @@ def sample(
     forbidden_max = [i for i, token in enumerate(out) if token is None]
     if forbidden_max:
         row_constraints = [constraints[i] for i in forbidden_max]
-        firsts = [greedy[i] for i in forbidden_max]
-        tokens = _allowed_max(logits, forbidden_max, firsts, row_constraints)
+        maxima = [greedy[i] for i in forbidden_max]
+        tokens = _allowed_max(logits, forbidden_max, maxima, row_constraints)
         for i, token in zip(forbidden_max, tokens, strict=True):
             out[i] = token
     return out
@@ -338,6 +338,7 @@ def _allowed_max(
     after ``NEXT_MAXIMA`` rounds (or whose next maximum is -inf) take the masked reduction
     over their whole mask (``_masked_max``)."""
     out: list[int | Exception | None] = [None] * len(rows)
+    forbidden = list(forbidden)  # each row's latest forbidden maximum (the caller's list stays)
     pending = list(range(len(rows)))
     copy = logits.index_select(0, torch.tensor(rows, device=logits.device))
     for _ in range(NEXT_MAXIMA):
