@@ -34,9 +34,10 @@ def local_encode(ref: HFReference, inputs: ReferenceInputs) -> PromptInputs:
         image_grid_thw=inputs.image_grid_thw,
         attention_mask=torch.ones_like(ids),
     )
-    out = model.visual(inputs.pixel_values, grid_thw=inputs.image_grid_thw)
+    device = ref.model.device  # the rows arrive on the CPU, as they do off the wire
+    out = model.visual(inputs.pixel_values.to(device), grid_thw=inputs.image_grid_thw.to(device))
     parts = [out.pooler_output] + list(getattr(out, "deepstack_features", None) or [])
-    rows = torch.cat(parts, dim=-1)
+    rows = torch.cat(parts, dim=-1).cpu()
     merge = ref.image_processor.merge_size**2
     image_positions = torch.nonzero(ids[0] == ref.config.image_token_id).flatten()
     patch_start = token_start = 0

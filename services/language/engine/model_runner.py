@@ -105,8 +105,8 @@ class ModelRunner:
         fill_ids = [torch.tensor(ids, dtype=torch.long)] + [p.fill_ids for p in parts]
         positions = [torch.tensor(pos, dtype=torch.long).expand(3, -1)]
         positions += [p.positions for p in parts]
-        out_slots = [g.kv_slots[:, -1] for g in groups]  # see pad_decode_group
-        out_slots += [p.out_slots for p in parts]
+        out_slots = [g.kv_slots[:, -1] for g in groups]  # see pad_decode_group (on the device)
+        out_slots += [p.out_slots.to(self.device) for p in parts]
         # NOTE: received rows are in the wire dtype (bf16 by default): cast to the model's here.
         image_rows = [p.image_rows.to(self.dtype) for p in parts if p.image_rows.shape[0]]
         rows = torch.cat(image_rows).to(self.device) if image_rows else None
@@ -114,7 +114,7 @@ class ModelRunner:
             fill_ids=torch.cat(fill_ids).to(self.device),
             positions=torch.cat(positions, dim=1).to(self.device),
             image_rows=rows,
-            out_slots=torch.cat(out_slots).to(self.device),
+            out_slots=torch.cat(out_slots),
             extends=extends,
             decode_groups=groups,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
