@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.compute import resolve_compute
+from common.compute import prepare_device, resolve_compute
 from common.linear_kernels import use_linear_kernel
 from common.models import checkpoint_files
 
@@ -86,6 +86,7 @@ class VisionTower:
         compute = resolve_compute(device, dtype)
         self.device, self.dtype = compute.device, compute.dtype
         logger.info("vision tower on %s in %s (%s)", self.device, self.dtype, compute.reason)
+        prepare_device(self.device)
         vision_cls = checkpoint.model_class(VISION_CLASS)
         # its own copy of the configuration: the attention setting below is this tower's alone
         vision_config = copy.deepcopy(checkpoint.config.vision_config)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from common.compute import resolve_compute
+from common.compute import prepare_device, resolve_compute
 from services.language.config import LanguageConfig
 from services.language.engine.cache_manager import CacheManager
 from services.language.engine.detokenizer import IncrementalDetokenizer
@@ -71,6 +71,7 @@ class LanguageEngine:
         compute = resolve_compute(config.device, config.dtype)
         self.device, self.dtype = compute.device, compute.dtype
         logger.info("language model on %s in %s (%s)", self.device, self.dtype, compute.reason)
+        prepare_device(self.device)
         self.model = load_text_model(config.model_path, self.device, self.dtype)
         self.linear_kernel = self.model.use_linear_kernel(config.linear_kernel)  # before sizing
         self.model_config = mc = self.model.config
