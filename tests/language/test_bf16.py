@@ -40,7 +40,11 @@ def ref(arch, tiny_model_dir):
 @pytest.fixture(scope="module")
 def engines(arch, harness):
     h = harness(arch)
-    return {k: h.engine(dtype="bfloat16", linear_kernel=k) for k in ("plain", "onednn")}
+    # on the CPU, as the reference: the CUDA engine is checked against transformers on CUDA
+    # (tests/cuda)
+    return {
+        k: h.engine(device="cpu", dtype="bfloat16", linear_kernel=k) for k in ("plain", "onednn")
+    }
 
 
 def cases(ref):
