@@ -30,7 +30,7 @@ from services.language.engine.engine import LanguageEngine
 from services.language.engine.sampling import SamplingParams
 from tests.conftest import ARCHS
 from tests.language.conftest import generate, make_image, run_to_completion, tokens_of
-from tests.language.test_bf16 import NUM_EQUAL_STEPS, TOP
+from tests.language.test_bf16 import check_against_reference
 from tests.media import make_video
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -159,20 +159,6 @@ def test_fp32_engine_on_cuda_equals_transformers_on_cuda(arch, refs, tiny_model_
 
 
 def test_bf16_engine_on_cuda_matches_bf16_transformers_on_cuda(arch, refs, tiny_model_dir):
-    ref = refs["bfloat16"]
     eng = engine(tiny_model_dir(arch), "bfloat16")
     assert eng.device.type == "cuda" and eng.dtype == torch.bfloat16
-    for prompt, images in (
-        ("hello there, who are you?", []),
-        ("describe it", [make_image(64, 48, 1)]),
-    ):
-        ref_inputs = ref.build_inputs(prompt, images)
-        inputs = local_encode(ref, ref_inputs)
-        assert generate(eng, inputs, NUM_EQUAL_STEPS)[0] == ref.generate(
-            ref_inputs, NUM_EQUAL_STEPS
-        )
-        got = generate(eng, inputs, 1, top_logprobs=TOP)[1].logprobs[0]
-        reference = ref.next_token_logprobs(ref_inputs)
-        assert got.token_id == int(reference.argmax())
-        worst = max(abs(t.logprob - float(reference[t.token_id])) for t in got.top)
-        assert worst <= BF16_CUDA_LOGPROB_TOL, f"first-step log-probabilities differ by {worst:.4f}"
+    check_against_reference(eng, refs["bfloat16"], BF16_CUDA_LOGPROB_TOL)
