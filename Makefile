@@ -13,9 +13,11 @@ setup: apt $(STAMP) proto
 
 # libibverbs1: Mooncake's transfer engine links it. prometheus: the metrics/dashboard tests.
 # chromium: the status page's test loads it in a headless browser. curl: `epd run`'s hint test.
+# libtcmalloc-minimal4: the model processes' allocator (common/memory.py).
 apt:
 	@missing=""; \
 	ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
+	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || missing="$$missing libtcmalloc-minimal4"; \
 	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v curl >/dev/null || missing="$$missing curl"; \

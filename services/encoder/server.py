@@ -27,6 +27,7 @@ from common.grpc_server import (
     start_server,
 )
 from common.internal import server_security
+from common.memory import allocator_line, release_free_memory
 from common.stream_capacity import StreamCapacity
 from common.worker import WorkerRuntime, add_worker_arguments, drain_worker, worker_configs
 from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
@@ -57,6 +58,7 @@ def serve(
     num_threads = set_compute_threads(config.worker.compute_threads)
     logger.info("encoder: %d compute threads", num_threads)
     service = EncoderService(model_path, config, sender)
+    release_free_memory()  # what loading and prepacking freed (common/memory.py)
     encode = f"/{SERVICE_NAME}/Encode"
     long_methods = (encode, f"/{SERVICE_NAME}/WaitEncoded")
     capacity = StreamCapacity(config.grpc_workers, long_methods, who="encoder")
@@ -94,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> EncoderConfig:
 def start(args: argparse.Namespace) -> Running:
     """Serve, register with the gateway, expose metrics (``epd serve encoder`` and Ray)."""
     config = config_from_args(args)
+    logger.info(allocator_line())
     server, service, port = serve(args.model_path, config)
     runtime = start_runtime(config, service, port)
 

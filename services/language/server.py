@@ -26,6 +26,7 @@ from common.grpc_server import (
     start_server,
 )
 from common.internal import server_security
+from common.memory import allocator_line, release_free_memory
 from common.stream_capacity import StreamCapacity
 from common.transfer.layout import dtype_name, parse_dtype
 from common.worker import WorkerRuntime, add_worker_arguments, drain_worker, worker_configs
@@ -67,6 +68,7 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
     """
     num_threads = set_compute_threads(config.worker.compute_threads)
     engine = LanguageEngine(config, embedding_source)
+    release_free_memory()  # what loading and prepacking freed (common/memory.py)
     engine_thread = EngineThread(engine, config.max_waiting_requests)
     engine_thread.start()
     generate, submit = f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Submit"
@@ -146,6 +148,7 @@ def start_runtime(config: LanguageConfig, handle: LanguageServer) -> WorkerRunti
 def start(args: argparse.Namespace) -> Running:
     """Serve, register with the gateway, expose metrics (``epd serve language`` and Ray)."""
     config = config_from_args(args)
+    logger.info(allocator_line())
     if not config.model_path:
         raise SystemExit("--model-path is required")
     handle = serve_with_receiver(config)
