@@ -13,7 +13,7 @@ setup: apt $(STAMP) proto
 
 # libibverbs1: Mooncake's transfer engine links it. prometheus: the metrics/dashboard tests.
 # chromium: the status page's test loads it in a headless browser. curl: `epd run`'s hint test.
-# libtcmalloc-minimal4: the model processes' allocator (common/memory.py).
+# libtcmalloc-minimal4: the model processes' allocator (common/allocator.py).
 apt:
 	@missing=""; \
 	ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \

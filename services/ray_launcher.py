@@ -25,7 +25,9 @@ import os
 import time
 from dataclasses import dataclass
 
+from common.allocator import find_tcmalloc
 from common.heap import freeze_startup_heap
+from services.serve import MODEL_ROLES
 
 NAMESPACE = "epd"
 GATEWAY_CPUS = 0.1
@@ -169,13 +171,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0)
 
 
-def _actor_options(args, role: str, cpus: float, gpus: float, index: int) -> dict:
+def _actor_options(
+    args, role: str, cpus: float, gpus: float, index: int, env_vars: dict[str, str]
+) -> dict:
+    """``env_vars``: the job's; a model role's actor starts with tcmalloc preloaded on top
+    (``common/allocator.py``; Ray starts the actor's process, so ``epd serve``'s restart has no part
+    here), found where the driver finds it: the nodes run one image."""
     options = {
         "num_cpus": cpus,
         "num_gpus": gpus,
         "max_restarts": args.max_restarts,
         "max_concurrency": 4,
     }
+    preload = find_tcmalloc() if role in MODEL_ROLES else None
+    if preload and "LD_PRELOAD" not in os.environ:
+        options["runtime_env"] = {"env_vars": {**env_vars, "LD_PRELOAD": preload}}
     if args.address:
         options.update(name=f"{role}-{index}", namespace=NAMESPACE, lifetime="detached")
     return options
@@ -240,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             first = i == 0
             ports = (args.gateway_port, args.registry_port) if first else (0, 0)
             argv = ["--port", str(ports[0]), "--registry-port", str(ports[1])]
-            options = _actor_options(args, "gateway", GATEWAY_CPUS, 0, i)
+            options = _actor_options(args, "gateway", GATEWAY_CPUS, 0, i, runtime_env["env_vars"])
             actors.append(actor_cls.options(**options).remote("gateway", argv, on_cluster))
             needs.append(Need(f"gateway-{i}", GATEWAY_CPUS, 0.0))
         gateways = actors[: args.gateways]
@@ -262,9 +272,9 @@ def run(args: argparse.Namespace) -> int:
         ):
             for i in range(count):
                 actors.append(
-                    actor_cls.options(**_actor_options(args, role, cpus, gpus, i)).remote(
-                        role, worker_argv, on_cluster
-                    )
+                    actor_cls.options(
+                        **_actor_options(args, role, cpus, gpus, i, runtime_env["env_vars"])
+                    ).remote(role, worker_argv, on_cluster)
                 )
                 needs.append(Need(f"{role}-{i}", cpus, gpus))
         workers = actors[args.gateways :]

@@ -2,7 +2,7 @@
 
 Each role's server module owns its options (``epd serve ROLE --help`` lists them); the module is
 imported only for the role asked for, so the gateway never loads torch. The encoder and the
-language worker first restart themselves with tcmalloc preloaded (``common/memory.py``) unless
+language worker first restart themselves with tcmalloc preloaded (``common/allocator.py``) unless
 ``LD_PRELOAD`` is set.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from common.memory import restart_with_allocator
+from common.allocator import restart_with_allocator
 
-MODEL_ROLES = ("encoder", "language")  # their processes hold large tensors: common/memory.py
+MODEL_ROLES = ("encoder", "language")  # their processes hold large tensors: common/allocator.py
 ROLE_MODULES = {
     "encoder": "services.encoder.server",
     "language": "services.language.server",

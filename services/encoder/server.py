@@ -17,6 +17,7 @@ import logging
 import time
 from pathlib import Path
 
+from common.allocator import allocator_line, release_free_memory
 from common.cli_config import add_cli_args, from_cli_args
 from common.compute import set_compute_threads
 from common.grpc_server import (
@@ -27,7 +28,6 @@ from common.grpc_server import (
     start_server,
 )
 from common.internal import server_security
-from common.memory import allocator_line, release_free_memory
 from common.stream_capacity import StreamCapacity
 from common.worker import WorkerRuntime, add_worker_arguments, drain_worker, worker_configs
 from protos.epd.v1 import encoder_pb2, encoder_pb2_grpc
@@ -58,7 +58,7 @@ def serve(
     num_threads = set_compute_threads(config.worker.compute_threads)
     logger.info("encoder: %d compute threads", num_threads)
     service = EncoderService(model_path, config, sender)
-    release_free_memory()  # what loading and prepacking freed (common/memory.py)
+    release_free_memory()  # what loading and prepacking freed (common/allocator.py)
     encode = f"/{SERVICE_NAME}/Encode"
     long_methods = (encode, f"/{SERVICE_NAME}/WaitEncoded")
     capacity = StreamCapacity(config.grpc_workers, long_methods, who="encoder")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from grpc_health.v1 import health
 
+from common.allocator import allocator_line, release_free_memory
 from common.cli_config import add_cli_args, from_cli_args
 from common.compute import set_compute_threads
 from common.grpc_server import (
@@ -26,7 +27,6 @@ from common.grpc_server import (
     start_server,
 )
 from common.internal import server_security
-from common.memory import allocator_line, release_free_memory
 from common.stream_capacity import StreamCapacity
 from common.transfer.layout import dtype_name, parse_dtype
 from common.worker import WorkerRuntime, add_worker_arguments, drain_worker, worker_configs
@@ -68,7 +68,7 @@ def serve(config: LanguageConfig, embedding_source=None) -> LanguageServer:
     """
     num_threads = set_compute_threads(config.worker.compute_threads)
     engine = LanguageEngine(config, embedding_source)
-    release_free_memory()  # what loading and prepacking freed (common/memory.py)
+    release_free_memory()  # what loading and prepacking freed (common/allocator.py)
     engine_thread = EngineThread(engine, config.max_waiting_requests)
     engine_thread.start()
     generate, submit = f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Submit"

@@ -1,4 +1,4 @@
-"""The model processes' allocator (``common/memory.py``), measured by what it changes: page
+"""The model processes' allocator (``common/allocator.py``), measured by what it changes: page
 faults and resident memory, each in a fresh process (a preloaded library is chosen at start)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from common.memory import TCMALLOC, find_tcmalloc, with_allocator
+from common.allocator import TCMALLOC, find_tcmalloc, with_allocator
 
 LIBRARY = find_tcmalloc()
 needs_tcmalloc = pytest.mark.skipif(LIBRARY is None, reason=f"{TCMALLOC} is not installed")
@@ -20,7 +20,7 @@ ROUNDS = textwrap.dedent(
     """
     import json, resource, threading
     import torch
-    from common.memory import allocator_line, release_free_memory
+    from common.allocator import allocator_line, release_free_memory
 
     NUMEL = 21 << 20  # 84 MB of fp32: above every mmap threshold glibc picks by itself
     out = {"line": allocator_line()}
@@ -80,7 +80,7 @@ def test_the_c_librarys_malloc_maps_every_large_tensor_afresh():
 @needs_tcmalloc
 def test_restart_keeps_the_process_and_preloads_once():
     code = (
-        "import os, sys; from common.memory import restart_with_allocator; "
+        "import os, sys; from common.allocator import restart_with_allocator; "
         "restart_with_allocator(); print(os.getpid(), os.environ['LD_PRELOAD'], sys.argv)"
     )
     proc = subprocess.Popen(
