@@ -67,7 +67,8 @@ def add_cli_args(
             continue
         tp, is_tuple = _base_type(hints[f.name])
         env = env_prefix + f.name.upper()
-        help_text = f"{f.metadata.get('help', '')} [env {env}]"
+        # argparse formats help texts with %: a literal one ("90% of ...") is written %%
+        help_text = f"{f.metadata.get('help', '')} [env {env}]".replace("%", "%%")
         if dataclasses.is_dataclass(tp):
             continue  # nested configs are added by their owner with their own prefix
         dest = f"{flag_prefix}_{f.name}" if flag_prefix else f.name

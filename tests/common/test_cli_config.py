@@ -61,3 +61,19 @@ def test_flag_prefix_namespaces_nested_configs(monkeypatch: pytest.MonkeyPatch) 
     inner = from_cli_args(DemoConfig, args, "EPD_INNER_", flag_prefix="inner")
     assert (outer.port, outer.name) == (3, "x")
     assert (inner.port, inner.name) == (4, "from-env")
+
+
+@pytest.mark.parametrize("role", ["encoder", "language", "gateway"])
+def test_every_roles_help_renders(role: str) -> None:
+    """``epd serve ROLE --help``: argparse formats help texts with ``%``, and a literal one in a
+    field's help ("0 = 90% of ...") must not break it."""
+    import importlib
+
+    from services.serve import ROLE_MODULES
+
+    parser = argparse.ArgumentParser(prog=f"epd serve {role}")
+    importlib.import_module(ROLE_MODULES[role]).add_arguments(parser)
+    text = parser.format_help()
+    assert "[env EPD_" in text
+    if role == "encoder":
+        assert "90% of the request" in text
