@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 TCMALLOC = "libtcmalloc_minimal.so.4"
@@ -59,7 +59,7 @@ def restart_with_allocator() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def _tcmalloc_release() -> ctypes._CFuncPtr | None:
+def _tcmalloc_release() -> Callable[[], None] | None:
     """tcmalloc's ``MallocExtension_ReleaseFreeMemory`` when tcmalloc is this process's
     allocator."""
     return getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None)

@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from common.allocator import find_tcmalloc
+from common.allocator import find_tcmalloc, with_allocator
 from common.heap import freeze_startup_heap
 from services.serve import MODEL_ROLES
 
@@ -183,9 +183,9 @@ def _actor_options(
         "max_restarts": args.max_restarts,
         "max_concurrency": 4,
     }
-    preload = find_tcmalloc() if role in MODEL_ROLES else None
-    if preload and "LD_PRELOAD" not in os.environ:
-        options["runtime_env"] = {"env_vars": {**env_vars, "LD_PRELOAD": preload}}
+    preloaded = with_allocator(os.environ, find_tcmalloc()) if role in MODEL_ROLES else None
+    if preloaded is not None:  # (None: no tcmalloc, or the operator's own LD_PRELOAD)
+        options["runtime_env"] = {"env_vars": {**env_vars, "LD_PRELOAD": preloaded["LD_PRELOAD"]}}
     if args.address:
         options.update(name=f"{role}-{index}", namespace=NAMESPACE, lifetime="detached")
     return options
