@@ -9,7 +9,7 @@ each of the ViT's elementwise passes (RMSNorm's six, SiLU, the residual adds) wa
 and the bench checkpoint's encoder spent ~0.8 core-seconds per 448² image. glibc's own knobs
 (one arena, high mmap and trim thresholds) help only in part: torch allocates 64-byte aligned,
 and glibc's aligned allocations reuse a freed block of the same size only every other time.
-tcmalloc (``libtcmalloc_minimal.so.4``, what vLLM's CPU build recommends too) keeps freed spans
+tcmalloc (``libtcmalloc_minimal.so.4``; vLLM's CPU platform preloads one too) keeps freed spans
 and hands them back: after its first tensor, a thread's 84 MB tensors fault no page in.
 
 A library preloaded by the dynamic linker must be there when the process starts, so ``epd

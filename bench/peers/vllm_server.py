@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from bench.peers import children
+from common.allocator import find_tcmalloc, with_allocator
 from common.procs import free_port
 
 STARTUP_TIMEOUT_S = 600.0
@@ -56,6 +57,9 @@ def server_env(work_dir: Path) -> dict[str, str]:
     for path in dirs.values():
         path.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # vLLM's CPU platform preloads the tcmalloc its wheels bundle; the PyPI CPU build has none,
+    # so it gets the one our model processes run on (common/allocator.py): the same allocator
+    env = with_allocator(env, find_tcmalloc()) or env
     return {
         **env,
         **CPU_ENV,
