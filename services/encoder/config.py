@@ -111,6 +111,13 @@ class EncoderConfig:
     max_batch_patches: int = field(
         16384, help="patch budget of one ViT forward (an image larger than it runs alone)"
     )
+    max_batch_ms: float = field(
+        200.0,
+        help="time target of one ViT forward on a CPU: images join a batch while the last "
+        "forwards' time per patch says it ends within this many ms (the first always fits); "
+        "where one image fills the cores a bigger batch only makes its requests wait for each "
+        "other. On a GPU, where batching pays, and at 0: the patch budget alone",
+    )
     max_queued_requests: int = field(64, help="requests queued or encoding; more are refused")
     max_queued_pixel_mb: int = field(
         1024,
@@ -188,6 +195,8 @@ class EncoderConfig:
             raise ValueError(f"min_pixels ({self.min_pixels}) > max_pixels ({self.max_pixels})")
         if self.cache_mb < 0:
             raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
+        if not 0 <= self.max_batch_ms < float("inf"):
+            raise ValueError(f"max_batch_ms must be >= 0, got {self.max_batch_ms}")
         check_compute_settings(self.device, self.dtype, self.linear_kernel)
         if self.vision_attention not in VISION_ATTENTIONS:
             raise ValueError(

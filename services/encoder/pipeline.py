@@ -103,6 +103,9 @@ class EncoderPipeline:
             self.config.max_batch_patches,
             self.rows_dtype,
             self.budget.release_image,
+            # NOTE: on a CPU one image fills the cores, so a bigger batch only adds waiting; on
+            # a GPU batching buys throughput: the patch budget alone
+            max_batch_s=self.config.max_batch_ms / 1e3 if self.tower.device.type == "cpu" else 0.0,
         )
         # Observer of each prepared request: seconds of decoding + preprocessing. Metrics set it.
         self.on_prepare: Callable[[float], None] | None = None

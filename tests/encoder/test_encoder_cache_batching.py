@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import threading
+import time
 
+import pytest
 import torch
 from encoder_helpers import noise_image, user_turn
 
+from services.encoder.batcher import EncodeTask, VisionBatcher
 from services.encoder.cache import EmbeddingCache
 from services.encoder.config import EncoderConfig
 from services.encoder.pipeline import EncoderPipeline
+from services.encoder.types import PreparedImage
 
 
 def _rows(num_rows: int, value: float = 0.0) -> torch.Tensor:
@@ -99,7 +103,9 @@ def test_batched_requests_match_one_by_one(qwen25_dir):
     expected = [solo.encode(user_turn(1), [img]) for img in images]
     solo.close()
 
-    pipe = EncoderPipeline(qwen25_dir, EncoderConfig(device="cpu", dtype="float32", cache_mb=0))
+    # no time target: the held forward's wait would count as the tower's pace
+    config = EncoderConfig(device="cpu", dtype="float32", cache_mb=0, max_batch_ms=0)
+    pipe = EncoderPipeline(qwen25_dir, config)
     try:
         # hold the loop inside the blocker's forward until all requests are queued
         gate = threading.Lock()
@@ -130,9 +136,10 @@ def test_batched_requests_match_one_by_one(qwen25_dir):
 
 def test_patch_budget_splits_batches(qwen25_dir):
     # each 112x112 image has 64 patches; a budget of 128 fits two per forward
-    pipe = EncoderPipeline(
-        qwen25_dir, EncoderConfig(device="cpu", dtype="float32", cache_mb=0, max_batch_patches=128)
+    config = EncoderConfig(
+        device="cpu", dtype="float32", cache_mb=0, max_batch_patches=128, max_batch_ms=0
     )
+    pipe = EncoderPipeline(qwen25_dir, config)
     try:
         gate = threading.Event()
         forward = pipe.batcher._forward
@@ -151,3 +158,52 @@ def test_patch_budget_splits_batches(qwen25_dir):
         assert sum(sizes) == 5 and max(sizes) == 2
     finally:
         pipe.close()
+
+
+def _batch_sizes_under_time_target(max_batch_s: float, num_images: int = 6) -> list[int]:
+    """Images per forward when ``num_images`` one-image tasks are queued at once, after one
+    forward taught the loop its pace (a fake forward: 10 ms per image of 64 patches)."""
+    sizes: list[int] = []
+
+    def forward(pixels, grids):
+        time.sleep(0.01 * len(grids))
+        sizes.append(len(grids))
+        return [torch.zeros(16, 4) for _ in grids]
+
+    def task(i: int, done: threading.Semaphore) -> EncodeTask:
+        image = PreparedImage(bytes([i]) * 16, (1, 8, 8), 16, pixel_values=torch.zeros(64, 8))
+        return EncodeTask([image], on_done=lambda t, err: done.release())
+
+    batcher = VisionBatcher(
+        forward, None, 1 << 20, torch.float32, lambda image: None, max_batch_s=max_batch_s
+    )
+    try:
+        done = threading.Semaphore(0)
+        batcher.submit(task(0, done))
+        assert done.acquire(timeout=30)
+        sizes.clear()
+        # NOTE: the loop's condition is reentrant: holding it queues every task before the
+        # loop can take the first
+        with batcher._cond:
+            for i in range(1, num_images + 1):
+                batcher.submit(task(i, done))
+        for _ in range(num_images):
+            assert done.acquire(timeout=30)
+    finally:
+        batcher.close()
+    assert sum(sizes) == num_images
+    return sizes
+
+
+def test_time_target_caps_the_batch():
+    # 10 ms per image: a 25 ms target fits two at most (fewer when the sleeps overshoot)
+    sizes = _batch_sizes_under_time_target(0.025)
+    assert max(sizes) <= 2 and len(sizes) >= 3
+    # no target, or one far above the batch's time: the patch budget alone, one forward
+    assert _batch_sizes_under_time_target(0.0) == [6]
+    assert _batch_sizes_under_time_target(30.0) == [6]
+
+
+def test_time_target_setting_is_checked():
+    with pytest.raises(ValueError, match="max_batch_ms"):
+        EncoderConfig(max_batch_ms=-1)
