@@ -180,7 +180,7 @@ class VisionBatcher:
         tasks = [t for t in tasks if now <= t.deadline]
         batch: list[PreparedImage] = []
         waiters: dict[bytes, list[tuple[EncodeTask, int]]] = {}
-        num_patches, budget = 0, self.patch_budget()
+        num_patches, budget = 0, self._patch_budget()
         for task in tasks:
             for i, image in enumerate(task.images):
                 if task.rows[i] is not None:
@@ -213,7 +213,7 @@ class VisionBatcher:
                 except Exception:
                     logger.exception("on_rows callback failed")
 
-    def patch_budget(self) -> int:
+    def _patch_budget(self) -> int:
         """Patches the next forward may hold (its first image fits whatever its size): the
         patch budget, and with a time target no more than the recent time per patch fits in it."""
         if not self._max_batch_s or not self._s_per_patch:
