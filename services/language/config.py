@@ -58,6 +58,19 @@ class LanguageConfig:
         "encoded or on the wire (off: wait for the whole prompt)",
     )
     max_running_requests: int = field(64, help="most requests prefilling or decoding at once")
+    cuda_graphs: bool = field(
+        True,
+        help="on CUDA, run decode steps as captured CUDA graphs, one per batch and key-length "
+        "bucket, captured the first time a step of that shape runs (off: every step eagerly)",
+    )
+    cuda_graph_max_batch: int = field(
+        64, help="largest decode batch a CUDA graph runs (larger batches run eagerly)"
+    )
+    cuda_graph_max_keys: int = field(
+        65536,
+        help="most keys a CUDA-graph decode step attends to, padding included (batch bucket x "
+        "longest request's KV length rounded up to a power of two); a larger step runs eagerly",
+    )
     max_waiting_requests: int = field(256, help="queued requests beyond this are rejected")
     default_max_new_tokens: int = field(
         128, help="max_new_tokens when a request sends 0 (shortened to fit max_seq_len)"
@@ -85,6 +98,8 @@ class LanguageConfig:
         for name in (
             "chunk_size",
             "max_running_requests",
+            "cuda_graph_max_batch",
+            "cuda_graph_max_keys",
             "max_waiting_requests",
             "default_max_new_tokens",
             "grpc_max_message_mb",

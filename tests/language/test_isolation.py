@@ -108,7 +108,8 @@ def test_inputs_that_cannot_be_gathered_fail_their_request_only(h, long_case, im
 
 
 def test_a_failed_forward_fails_its_batch_and_the_engine_goes_on(h, long_case, image_case):
-    engine = h.engine(max_running_requests=1)
+    # the eager forward (a CUDA-graph step's failure: tests/language/test_decode_graphs.py)
+    engine = h.engine(max_running_requests=1, cuda_graphs=False)
     engine.add_request("first", SamplingParams(max_new_tokens=8), image_case.inputs)
     engine.add_request("queued", SamplingParams(max_new_tokens=LONG), long_case.inputs)
     model = engine.runner.model

@@ -29,6 +29,7 @@ from dataclasses import replace
 from common.compute import prepare_device, resolve_compute
 from services.language.config import LanguageConfig
 from services.language.engine.cache_manager import CacheManager
+from services.language.engine.decode_graphs import DecodeGraphs
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars, Guide
 from services.language.engine.intake import (
@@ -98,6 +99,16 @@ class LanguageEngine:
             self.cache_manager, config.chunk_size, config.max_running_requests
         )
         self.runner = ModelRunner(self.model, kv_pool, self.device)
+        if config.cuda_graphs and self.device.type == "cuda":
+            max_batch = min(config.cuda_graph_max_batch, config.max_running_requests)
+            self.runner.decode_graphs = DecodeGraphs(
+                self.model, kv_pool, self.device, max_batch, config.cuda_graph_max_keys
+            )
+            logger.info(
+                "decode steps as CUDA graphs: batch <= %d, <= %d keys with padding",
+                max_batch,
+                config.cuda_graph_max_keys,
+            )
         self.num_prefill_tokens = 0  # prompt tokens computed, lifetime
         self.num_decode_tokens = 0  # tokens computed while decoding, lifetime
         self.num_batches = 0  # steps that ran a batch, lifetime

@@ -9,6 +9,10 @@ gathered on its own, and a chunk whose inputs cannot be built (a bad prompt) is 
 batch and reported in ``RunResult.failed``, so it fails its request alone. An exception from the
 forward itself (device, model) propagates: the whole batch failed.
 
+On CUDA a step of decode tokens alone runs through a captured graph when one fits it
+(``decode_graphs.py``; ``decode_graphs`` is None elsewhere): one launch instead of a few hundred,
+its rows in the scheduler's order.
+
 A prefill chunk of a request that asks for prompt log-probabilities needs the logits of its
 prompt rows, not only of its last: the forward then returns every row's hidden states, and the
 LM head and log-softmax run over those rows ``PROMPT_LOGPROB_ROWS`` at a time, so memory stays
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.language.engine.decode_graphs import DecodeGraphs
 from services.language.engine.decode_groups import group_by_kv_len, pad_decode_group
 from services.language.engine.request import Request
 from services.language.engine.sampling import PROMPT_LOGPROB_ROWS, TokenLogprob, token_logprobs
@@ -77,6 +82,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.device = device
         self.dtype = next(model.parameters()).dtype
+        self.decode_graphs: DecodeGraphs | None = None  # set by the engine on CUDA
 
     def build_batch(
         self, decode_groups: list[list[ScheduledChunk]], parts: list[ChunkInputs]
@@ -134,6 +140,11 @@ class ModelRunner:
                 failed.append((chunk, exc))
         if not decodes and not parts:
             return RunResult([], torch.zeros(0, 0), failed)
+        if not parts and self.decode_graphs is not None:
+            shape = self.decode_graphs.shape(decodes)
+            logits = self.decode_graphs.run(decodes, shape) if shape else None
+            if logits is not None:
+                return RunResult(decodes, logits, failed)
         decode_groups = [
             [decodes[i] for i in group] for group in group_by_kv_len([c.end for c in decodes])
         ]

@@ -9,6 +9,10 @@ one. On CPU the pages of an empty tensor are committed only when first written, 
 from free memory costs nothing until it is used; the allocator hands out never-used slots in
 ascending order and reuses freed ones first (LIFO), so the touched part stays as small as the
 peak number of slots in use (radix cache included).
+
+One row past the last slot is the *scratch slot* (``scratch_slot``), zeroed, owned by no
+request and never handed out: the padded rows of a CUDA-graph decode step write their K/V there
+and pad keys point at it (``engine/decode_graphs.py``).
 """
 
 from __future__ import annotations
@@ -34,10 +38,13 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_slots, num_kv_heads, head_dim)
+        shape = (num_slots + 1, num_kv_heads, head_dim)  # + the scratch slot
         self.num_slots = num_slots
+        self.scratch_slot = num_slots
         self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for cache in (*self._k, *self._v):
+            cache[self.scratch_slot].zero_()  # finite: a masked key still meets its value
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k[layer_id], self._v[layer_id]
