@@ -150,9 +150,19 @@ class HFReference:
         )
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
 
-    @torch.no_grad()
     def generate(self, inputs: ReferenceInputs, max_new_tokens: int = 16) -> list[int]:
         """Greedy continuation token ids (EOS included when produced)."""
+        return self._generate(inputs, max_new_tokens, scored=False)[0]
+
+    def generate_scored(
+        self, inputs: ReferenceInputs, max_new_tokens: int = 16
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Greedy continuation token ids and each step's log-probabilities (float32, [vocab],
+        on the CPU)."""
+        return self._generate(inputs, max_new_tokens, scored=True)
+
+    @torch.no_grad()
+    def _generate(self, inputs: ReferenceInputs, max_new_tokens: int, scored: bool):
         kwargs = inputs.vision_kwargs(self.device)
         ids = inputs.input_ids.to(self.device)
         out = self.model.generate(
@@ -161,9 +171,14 @@ class HFReference:
             mm_token_type_ids=inputs.mm_token_type_ids.to(self.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            output_scores=scored,
+            return_dict_in_generate=True,
             **kwargs,
         )
-        return out[0, ids.shape[1] :].tolist()
+        tokens = out.sequences[0, ids.shape[1] :].tolist()
+        if not scored:
+            return tokens, []
+        return tokens, [torch.log_softmax(s[0].float(), dim=-1).cpu() for s in out.scores]
 
 
 def _vision_hook(tower, wire_dtype: torch.dtype | None, dtype: torch.dtype):
