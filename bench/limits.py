@@ -93,7 +93,7 @@ def _mm_rate(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> 
     return 2 * n**3 / _best(lambda: torch.mm(a, b, out=out), device, repeats)
 
 
-def _copy_rate(device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int) -> float:
+def copy_rate(device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int) -> float:
     src = torch.randn(nbytes // dtype.itemsize, device=device, dtype=dtype)
     dst = torch.empty_like(src)
     return 2 * nbytes / _best(lambda: dst.copy_(src), device, repeats)
@@ -107,7 +107,7 @@ def measure_reference(device: torch.device, dtype: torch.dtype, quick: bool) -> 
         str(dtype).removeprefix("torch."),
         _mm_rate(device, dtype, n, 2 if quick else 4),
         n,
-        _copy_rate(device, dtype, copy_mb << 20, 3 if quick else 5),
+        copy_rate(device, dtype, copy_mb << 20, 3 if quick else 5),
         copy_mb,
     )
 
@@ -211,7 +211,7 @@ def measure_language(
     engine.step()  # the prefill step, which also yields the first token
     step_s, num_steps = _median_step_s(engine, device)
     context = prompt_len + num_steps // 2  # the median step's KV length (about)
-    nbytes = decode_bytes(_decode_weight_bytes(engine.model), mc, context, dtype.itemsize)
+    nbytes = decode_bytes(decode_weight_bytes(engine.model), mc, context, dtype.itemsize)
     rows.append(
         Stage(
             f"decode batch 1, {context} ctx",
@@ -247,12 +247,12 @@ def measure_batched_decode(engine, submit, device: torch.device, ref: Reference)
     step_s, _ = _median_step_s(engine, device)
     context = DECODE_PROMPT_LEN + DECODE_STEPS // 2
     mc, itemsize = engine.model_config, engine.dtype.itemsize
-    nbytes = _decode_weight_bytes(engine.model) + DECODE_BATCH * kv_bytes(mc, context, itemsize)
+    nbytes = decode_weight_bytes(engine.model) + DECODE_BATCH * kv_bytes(mc, context, itemsize)
     name = f"decode batch {DECODE_BATCH}, {context} ctx"
     return Stage(name, nbytes, step_s, nbytes / step_s, ref.copy_bytes_per_s, "B/s")
 
 
-def _decode_weight_bytes(model: torch.nn.Module) -> int:
+def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Weights one decode step reads: all of them once, except an untied embedding table, of
     which it reads one row (a tied table is read whole, as the LM head). Prepacked linears
     (``PackedLinear``) hold their weights as buffers: counted by their shapes."""

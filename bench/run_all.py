@@ -5,6 +5,8 @@ the bench checkpoint (real layer widths, few layers; ``epd make-tiny-model --siz
 ``bench.limits`` holds each compute stage against the machine's own mm FLOP/s and copy
 bandwidth on the bench checkpoint only (the demo model's layers are too narrow to load a core).
 
+On a machine with CUDA, ``bench.cuda_graphs`` runs too (decode steps with and without CUDA graphs).
+
 Each part runs in a fresh interpreter so that one benchmark's threads and memory do not skew
 the next; a failing part is reported and the rest still run (exit status 1 at the end).
 """
@@ -32,11 +34,19 @@ PARTS = (
     ("elastic: 1 vs 2 gateways, rolling restarts under load", ["-m", "bench.elastic"]),
     ("image by image + prefill while receiving, on vs off", ["-m", "bench.overlap"]),
 )
+CUDA_PARTS = ((f"decode steps with and without CUDA graphs, {BENCH}", ["-m", "bench.cuda_graphs"]),)
 
 
 def main() -> int:
+    import torch
+
     failed = []
-    for title, args in PARTS:
+    parts = PARTS
+    if torch.cuda.is_available():
+        parts += CUDA_PARTS
+    else:
+        print("no CUDA device: bench.cuda_graphs skipped", flush=True)
+    for title, args in parts:
         print(f"\n=== {title} ===", flush=True)
         start = time.monotonic()
         rc = subprocess.call([sys.executable, *args])
