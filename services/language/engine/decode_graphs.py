@@ -148,11 +148,9 @@ class DecodeGraphs:
 
     def _load(self, chunks: Sequence[ScheduledChunk], batch: int, keys: int) -> None:
         """Pack the chunks' inputs (pads after them) and copy them to the device in one go."""
-        if self._copied is not None:
-            self._copied.synchronize()
         scratch = self.kv_pool.scratch_slot
         ids, positions, out_slots, lengths = [], [], [], []
-        host = _Views.of(self._host_inputs, batch, keys)
+        host = self._host_views(batch, keys)
         host.kv_slots.fill_(scratch)
         for row, chunk in enumerate(chunks):
             req = chunk.req
@@ -174,15 +172,19 @@ class DecodeGraphs:
     def _load_pads(self, batch: int, keys: int) -> None:
         """Every row a pad (what the warm-up and the capture run on: they write the scratch
         slot alone)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        host = _Views.of(self._host_inputs, batch, keys)
+        host = self._host_views(batch, keys)
         host.ids.zero_()
         host.positions.zero_()
         host.out_slots.fill_(self.kv_pool.scratch_slot)
         host.lengths.fill_(1)
         host.kv_slots.fill_(self.kv_pool.scratch_slot)
         self._copy_in(packed_size(batch, keys))
+
+    def _host_views(self, batch: int, keys: int) -> _Views:
+        """The host buffer as the inputs of (batch, keys), once the last copy from it ended."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return _Views.of(self._host_inputs, batch, keys)
 
     def _copy_in(self, size: int) -> None:
         self._device_inputs[:size].copy_(self._host_inputs[:size], non_blocking=True)
