@@ -74,6 +74,20 @@ def generate(engine: LanguageEngine, inputs: PromptInputs, max_new_tokens: int =
     return [t for o in outs for t in o.token_ids], outs[-1]
 
 
+def failing_on_call(fn, call: int, error: Exception):
+    """``fn``, except that its ``call``-th call (counting from 1) raises ``error``."""
+    calls = 0
+
+    def wrapped(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == call:
+            raise error
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
 def tokens_of(outputs: list[RequestOutput]) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
 

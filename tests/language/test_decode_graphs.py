@@ -15,7 +15,7 @@ from services.language.engine.decode_graphs import DecodeGraphs, batch_bucket, k
 from services.language.engine.request import FinishReason
 from services.language.engine.sampling import SamplingParams
 from services.language.kvcache.pool import KVPool
-from tests.language.conftest import make_image, run_to_completion, tokens_of
+from tests.language.conftest import failing_on_call, make_image, run_to_completion, tokens_of
 
 
 @pytest.mark.parametrize(
@@ -112,16 +112,7 @@ def test_a_failed_static_step_fails_its_batch_and_the_engine_goes_on(harness):
     graphs = engine.runner.decode_graphs = DecodeGraphs(
         engine.model, engine.runner.kv_pool, engine.device, 8, 4096, capture=False
     )
-    forward = graphs._forward
-    calls = {"n": 0}
-
-    def flaky(batch, keys):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("device lost")
-        return forward(batch, keys)
-
-    graphs._forward = flaky
+    graphs._forward = failing_on_call(graphs._forward, 2, RuntimeError("device lost"))
     engine.add_request("first", SamplingParams(max_new_tokens=8), first.inputs)
     engine.add_request("queued", SamplingParams(max_new_tokens=8), second.inputs)
     outputs = run_to_completion(engine)

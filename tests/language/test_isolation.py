@@ -13,7 +13,7 @@ import torch
 
 from services.language.engine.request import ErrorKind, FinishReason
 from services.language.engine.sampling import SamplingParams
-from tests.language.conftest import make_image, run_to_completion, tokens_of
+from tests.language.conftest import failing_on_call, make_image, run_to_completion, tokens_of
 
 LONG = 24
 
@@ -113,16 +113,7 @@ def test_a_failed_forward_fails_its_batch_and_the_engine_goes_on(h, long_case, i
     engine.add_request("first", SamplingParams(max_new_tokens=8), image_case.inputs)
     engine.add_request("queued", SamplingParams(max_new_tokens=LONG), long_case.inputs)
     model = engine.runner.model
-    calls = {"n": 0}
-    real_forward = model.forward
-
-    def flaky(batch, kv_pool):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("device lost")
-        return real_forward(batch, kv_pool)
-
-    model.forward = flaky
+    model.forward = failing_on_call(model.forward, 2, RuntimeError("device lost"))
     outputs = run_to_completion(engine)
     final = outputs["first"][-1]
     assert final.finish_reason == FinishReason.ERROR and "device lost" in final.error
