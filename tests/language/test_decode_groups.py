@@ -1,6 +1,7 @@
 """Decode requests grouped by KV length (``services/language/engine/decode_groups.py``): where
 the groups are cut, attention over several padded groups == unpadded SDPA per request, and the
-engine's greedy tokens == transformers' when every distinct length is a group of its own."""
+engine's greedy tokens == transformers' when every distinct length is a group of its own. Also
+the prefill chunk's attention after a long prefix (attended apart, ``model/attention.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from services.language.engine import decode_groups
 from services.language.engine.decode_groups import group_by_kv_len, pad_decode_group
 from services.language.engine.model_runner import ModelRunner
 from services.language.engine.sampling import SamplingParams
+from services.language.model import batch as batch_module
 from services.language.model.attention import paged_attention
 from services.language.model.batch import ExtendSegment, ForwardBatch, slot_run
 from tests.language.conftest import make_image, run_to_completion, tokens_of
@@ -172,3 +174,69 @@ def test_engine_with_a_group_per_length_matches_transformers(harness, monkeypatc
     assert most_groups == len(cases)
     for i, case in enumerate(cases):
         assert tokens_of(outputs[f"g{i}"]) == case.expected
+
+
+def reference_chunk(q, k, v, prefix_len: int, scale: float) -> torch.Tensor:
+    """A prefill chunk's causal attention, unpadded, in fp32: q [q_len, heads, dim], k/v
+    [prefix_len + q_len, kv_heads, dim] -> [q_len, heads, dim]."""
+    rep = HEADS // KV_HEADS
+    k = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+    v = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+    q_len = q.shape[0]
+    mask = torch.ones(q_len, k.shape[1], dtype=torch.bool).tril_(prefix_len)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k, v, attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix_len", [0, 300, 1024, 2500])
+def test_a_chunk_after_a_long_prefix_attends_to_it_apart(dtype, prefix_len):
+    """From ``SPLIT_PREFIX_KEYS`` cached keys a chunk attends to its prefix and to its own keys
+    in two calls merged by log-sum-exp (no mask); below, with the additive mask. Either way the
+    result is causal attention over all its keys, for keys in one run and scattered."""
+    gen = torch.Generator().manual_seed(2)
+    chunk, num_slots = 96, 6000
+    k_cache = torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(chunk, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    run = torch.arange(50, 50 + prefix_len + chunk)
+    scattered = torch.randperm(num_slots, generator=gen)[: prefix_len + chunk]
+    for slots in (run, scattered):
+        segment = ExtendSegment.causal(0, slots, chunk, dtype)
+        assert segment.split_prefix == (prefix_len >= batch_module.SPLIT_PREFIX_KEYS)
+        assert (segment.kv_bias is None) == (prefix_len == 0 or segment.split_prefix)
+        batch = ForwardBatch(
+            fill_ids=torch.zeros(chunk, dtype=torch.long),
+            positions=torch.zeros(3, chunk, dtype=torch.long),
+            image_rows=None,
+            out_slots=slots[-chunk:],
+            extends=[segment],
+            decode_groups=[],
+            logit_rows=torch.arange(1),
+        )
+        out = paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5)
+        want = reference_chunk(q, k_cache[slots], v_cache[slots], prefix_len, HEAD_DIM**-0.5)
+        torch.testing.assert_close(out.float(), want, **TOL[dtype])
+
+
+def test_engine_splits_long_prefixes_and_matches_transformers(harness, monkeypatch):
+    """A long prompt in small chunks: the chunks after ``SPLIT_PREFIX_KEYS`` tokens attend to
+    their prefix apart, and the greedy tokens are transformers'."""
+    h = harness("qwen2_5_vl")
+    case = h.case("count the words of this sentence " * 70, [], 8)
+    assert len(case.inputs) > batch_module.SPLIT_PREFIX_KEYS + 200
+    splits = []
+    causal = ExtendSegment.causal.__func__
+
+    def counting(cls, q_start, kv_slots, q_len, dtype):
+        segment = causal(cls, q_start, kv_slots, q_len, dtype)
+        splits.append(segment.split_prefix)
+        return segment
+
+    monkeypatch.setattr(ExtendSegment, "causal", classmethod(counting))
+    engine = h.engine(chunk_size=128)
+    engine.add_request("long", SamplingParams(max_new_tokens=8), case.inputs)
+    assert tokens_of(run_to_completion(engine)["long"]) == case.expected
+    assert any(splits) and not all(splits)
