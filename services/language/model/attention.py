@@ -14,7 +14,9 @@ A prefill chunk after a long cached prefix on a CPU (``ExtendSegment.split_prefi
 the prefix and to its own keys in two calls of SDPA's CPU kernel, merged by the log-sum-exp each
 returns: the prefix without a mask, the query heads that share a KV head laid out as that head's
 rows (the prefix's keys read once per KV head), the chunk's own keys causally. No
-``[q_len, prefix + q_len]`` mask is built or read: 1.3-1.6x faster from 2048 cached keys here.
+``[q_len, prefix + q_len]`` mask is built or read: at the demo checkpoint's widths 1.2x faster
+from 1024 cached keys and 1.4-1.5x from 2048, at Qwen2.5-VL-3B's even at 1024-2048 and 1.2x
+from 4096 (bf16, 2 cores).
 """
 
 from __future__ import annotations
@@ -85,11 +87,9 @@ def _after_prefix(
     k_own = k[:, :, prefix_len:].repeat_interleave(per_kv, dim=1)
     v_own = v[:, :, prefix_len:].repeat_interleave(per_kv, dim=1)
     o_own, lse_own = FLASH_ATTENTION_CPU(q, k_own, v_own, is_causal=True, scale=scale)
-    lse_pre = lse_pre.reshape(1, heads, q_len)
-    lse = torch.logaddexp(lse_pre, lse_own)
-    o = o_pre.reshape(1, heads, q_len, dim).float() * (lse_pre - lse).exp_()[..., None]
-    o += o_own.float() * (lse_own - lse).exp_()[..., None]
-    return o.to(q.dtype)
+    # the prefix's share of each row's softmax mass: exp(lse_pre) / (exp(lse_pre) + exp(lse_own))
+    share = torch.sigmoid(lse_pre.reshape(1, heads, q_len) - lse_own).to(q.dtype)
+    return torch.lerp(o_own, o_pre.reshape(1, heads, q_len, dim), share[..., None])
 
 
 def _keys(cache: torch.Tensor, slots: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:

@@ -18,7 +18,8 @@ import torch
 # SDPA's CPU kernel, called directly where its log-sum-exp is needed too (None where torch lacks it)
 FLASH_ATTENTION_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # a prefill chunk after at least this many cached keys attends to them apart on a CPU (see
-# ``ExtendSegment.split_prefix``): measured 1.1x at 1024 keys, 1.3-1.6x from 2048 (bf16, 2 cores)
+# ``ExtendSegment.split_prefix`` and ``model/attention.py``); below it the second call and the
+# merge cost more than the mask saves
 SPLIT_PREFIX_KEYS = 1024
 
 
