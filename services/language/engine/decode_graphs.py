@@ -23,9 +23,14 @@ the padded key slots, packed into a pinned host buffer in the layout the graph o
 reads from one static device buffer (``_Views``).
 
 The first step of each shape captures its graph (logged with its time); all graphs share one
-memory pool. A capture that fails turns graphs off for the process, says why in the log, and the
-step runs eagerly. ``capture=False`` runs the same padded static path without capturing: how the
-CPU tests check the packing, padding and masking against transformers.
+memory pool. NOTE: each captured graph keeps its own logits tensor ``[batch, vocab]`` alive in
+that pool, outside the KV pool's budget (its ``kv_cache_reserve_mb`` covers it): a few hundred
+MB in bf16 if every shape up to the default limits is met; one shared output buffer would
+bound it to one ``[max_batch, vocab]``.
+
+A capture that fails turns graphs off for the process, says why in the log, and the step runs
+eagerly. ``capture=False`` runs the same padded static path without capturing: how the CPU
+tests check the packing, padding and masking against transformers.
 """
 
 from __future__ import annotations
