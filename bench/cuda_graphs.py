@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 from bench.flops import kv_bytes
-from bench.limits import copy_rate, decode_weight_bytes
+from bench.limits import copy_rate, decode_weight_bytes, median_step_s
 from common.models.tiny import ensure_tiny_model
 
 PROMPT_LEN = 128
@@ -42,13 +41,7 @@ def measure(engine, batch: int, graphs, counter) -> float:
         engine.add_request(f"g{ids[0]}", params, inputs)
     while any(not r.output_ids for r in engine.requests.values()):
         engine.step()  # the prefills and first tokens
-    steps = []
-    while engine.has_work():
-        start = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        steps.append(time.perf_counter() - start)
-    return statistics.median(steps)
+    return median_step_s(engine, engine.device)[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -209,7 +209,7 @@ def measure_language(
     ]
     submit(num_decode + 1)
     engine.step()  # the prefill step, which also yields the first token
-    step_s, num_steps = _median_step_s(engine, device)
+    step_s, num_steps = median_step_s(engine, device)
     context = prompt_len + num_steps // 2  # the median step's KV length (about)
     nbytes = decode_bytes(decode_weight_bytes(engine.model), mc, context, dtype.itemsize)
     rows.append(
@@ -226,7 +226,7 @@ def measure_language(
     return rows
 
 
-def _median_step_s(engine, device: torch.device) -> tuple[float, int]:
+def median_step_s(engine, device: torch.device) -> tuple[float, int]:
     """Step ``engine`` until idle: (median step seconds, number of steps)."""
     steps = []
     while engine.has_work():
@@ -244,7 +244,7 @@ def measure_batched_decode(engine, submit, device: torch.device, ref: Reference)
         submit(DECODE_STEPS + 1, DECODE_PROMPT_LEN)
     while any(not r.output_ids for r in engine.requests.values()):
         engine.step()  # the prefills (and the first tokens)
-    step_s, _ = _median_step_s(engine, device)
+    step_s, _ = median_step_s(engine, device)
     context = DECODE_PROMPT_LEN + DECODE_STEPS // 2
     mc, itemsize = engine.model_config, engine.dtype.itemsize
     nbytes = decode_weight_bytes(engine.model) + DECODE_BATCH * kv_bytes(mc, context, itemsize)
