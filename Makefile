@@ -14,8 +14,10 @@ setup: apt $(STAMP) proto
 # libibverbs1: Mooncake's transfer engine links it. prometheus: the metrics/dashboard tests.
 # chromium: the status page's test loads it in a headless browser. curl: `epd run`'s hint test.
 # libtcmalloc-minimal4: the model processes' allocator (common/allocator.py).
+# gcc: builds the native element-wise kernels at first use (common/native_kernels.py).
 apt:
 	@missing=""; \
+	command -v cc >/dev/null || missing="$$missing gcc libc6-dev"; \
 	ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
 	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || missing="$$missing libtcmalloc-minimal4"; \
 	command -v prometheus >/dev/null || missing="$$missing prometheus"; \

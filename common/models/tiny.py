@@ -57,12 +57,17 @@ SPECS = {
 }
 
 
-def default_cache_dir() -> Path:
-    """Where generated checkpoints live (never in git)."""
+def cache_root() -> Path:
+    """The project's cache: ``$EPD_CACHE_DIR``, else ``$XDG_CACHE_HOME/epd`` (``~/.cache/epd``)."""
     root = os.environ.get("EPD_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "epd"
     )
-    return Path(root) / "models"
+    return Path(root)
+
+
+def default_cache_dir() -> Path:
+    """Where generated checkpoints live (never in git)."""
+    return cache_root() / "models"
 
 
 def _model_classes(arch: str):

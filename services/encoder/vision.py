@@ -17,10 +17,11 @@ import torch
 from common.compute import prepare_device, resolve_compute
 from common.linear_kernels import use_linear_kernel
 from common.models import checkpoint_files
+from common.native_kernels import resolve_elementwise_kernel, use_native_rms_norms
 
 from .checkpoint import VISION_CLASS, Checkpoint
 from .patch_embed import patch_embed_as_linear
-from .vision_attention import use_grouped_attention
+from .vision_attention import rotate_qk, use_grouped_attention
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class VisionTower:
         dtype: str = "auto",
         linear_kernel: str = "auto",
         attention: str = "grouped",
+        elementwise_kernel: str = "auto",
     ) -> None:
         from transformers.initialization import no_init_weights
 
@@ -100,8 +102,16 @@ class VisionTower:
         )
         if self.linear_kernel == "onednn" and patch_embed_as_linear(self.module):
             logger.info("vision tower: patch embedding runs as a prepacked linear layer")
+        native = resolve_elementwise_kernel(
+            elementwise_kernel, self.device, self.dtype, "vision tower"
+        )
+        self.elementwise_kernel = "torch" if native is None else "native"
+        if native is not None:
+            num = use_native_rms_norms(self.module, native)
+            logger.info("vision tower: %d RMSNorms on the native kernel", num)
         self.attention = "per_piece"
-        if attention == "grouped" and use_grouped_attention(self.module):
+        rotate = rotate_qk if native is None else native.rotate_qk
+        if attention == "grouped" and use_grouped_attention(self.module, rotate):
             self.attention = "grouped"
         logger.info("vision tower: attention %s", self.attention)
         self.row_width = checkpoint.row_width

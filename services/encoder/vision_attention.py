@@ -13,12 +13,15 @@ the class and other models are untouched): transformers' steps in the same order
 arithmetic, the rotary embedding of queries and keys included, but that in fewer passes over
 memory (``rotate_qk``: one fp32 copy of both, the half swap as a roll with the sine's sign
 folded in, in-place products; bit-equal to ``apply_rotary_pos_emb_vision``, which makes ~14
-passes and was a third of a small tower's time).
+passes and was a third of a small tower's time). On a CPU in bf16 the native kernel of the same
+contract (``common/native_kernels.py``) does it in one pass, bit for bit the same.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch.nn import functional
@@ -90,29 +93,34 @@ def rotate_qk(
     return out[:, 0], out[:, 1]
 
 
+Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 def attention_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
     cu_seqlens: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    rotate: Rotate = rotate_qk,
     **kwargs,
 ) -> torch.Tensor:
     """A Qwen-VL vision attention module's forward (``self``: the module, which keeps its
-    weights): qkv, rotary (``rotate_qk``), ``grouped_attention`` over the pieces
-    ``cu_seqlens`` cuts, output projection."""
+    weights): qkv, rotary (``rotate``: ``rotate_qk`` or the native kernel of the same
+    contract), ``grouped_attention`` over the pieces ``cu_seqlens`` cuts, output projection."""
     seq_length = hidden_states.shape[0]
     qkv = self.qkv(hidden_states).view(seq_length, 3, self.num_heads, -1)
     cos, sin = position_embeddings
-    query, key = rotate_qk(qkv, cos, sin)
+    query, key = rotate(qkv, cos, sin)
     heads_first = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, qkv[:, 2]))
     out, _ = grouped_attention(self, *heads_first, None, self.scaling, cu_seq_lens_q=cu_seqlens)
     return self.proj(out.reshape(seq_length, -1))
 
 
-def use_grouped_attention(tower: torch.nn.Module) -> bool:
+def use_grouped_attention(tower: torch.nn.Module, rotate: Rotate = rotate_qk) -> bool:
     """Make ``tower``'s (a transformers Qwen-VL vision model) attention modules run
-    ``attention_forward``; False (nothing changed) when its configuration asks for another
-    kernel than SDPA or a module is not of the shape it knows."""
+    ``attention_forward`` with ``rotate``; False (nothing changed) when its configuration asks
+    for another kernel than SDPA or a module is not of the shape it knows."""
     if tower.config._attn_implementation != "sdpa":
         return False
     modules = [m for m in tower.modules() if type(m).__name__.endswith("VisionAttention")]
@@ -120,5 +128,5 @@ def use_grouped_attention(tower: torch.nn.Module) -> bool:
     if not modules or not all(all(hasattr(m, name) for name in known) for m in modules):
         return False
     for module in modules:
-        module.forward = types.MethodType(attention_forward, module)
+        module.forward = types.MethodType(partial(attention_forward, rotate=rotate), module)
     return True

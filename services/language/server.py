@@ -103,7 +103,8 @@ def describe(engine: LanguageEngine) -> str:
         f"device {engine.device}, compute dtype {dtype_name(engine.dtype)}, "
         f"wire dtype {dtype_name(parse_dtype(config.transfer.dtype))}, "
         f"KV pool {plan.num_slots} tokens, {plan.pool_bytes / MIB:.0f} MiB, set by {plan.reason}, "
-        f"max_seq_len {engine.max_seq_len}, linear kernel {engine.linear_kernel}"
+        f"max_seq_len {engine.max_seq_len}, linear kernel {engine.linear_kernel}, "
+        f"element-wise kernels {engine.elementwise_kernel}"
     )
 
 

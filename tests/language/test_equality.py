@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.native_kernels import load_native_kernels
 from services.language.engine.sampling import SamplingParams
 from tests.conftest import ARCHS
 from tests.language.conftest import generate, make_image, run_to_completion, tokens_of
@@ -98,3 +99,17 @@ def test_preemption_under_slot_pressure(h):
     info = engine.cache_manager.cache.size_info()
     assert info.protected_size == 0
     assert engine.cache_manager.num_used == info.evictable_size
+
+
+def test_native_elementwise_kernels_in_float32(h):
+    """The native RMSNorm forced on in float32 (``auto`` keeps torch's ops there): a row's sum
+    of squares in another order moves values by ~1e-7, and the greedy tokens stay
+    transformers'."""
+    kernels, why = load_native_kernels()
+    if kernels is None:
+        pytest.skip(f"native kernels: {why}")
+    engine = h.engine(elementwise_kernel="native", chunk_size=32)
+    assert engine.elementwise_kernel == "native"
+    for prompt, images in (("hello there, who are you?", []), (PROMPT, [make_image(64, 48, 1)])):
+        case = h.case(prompt, images, 12)
+        assert generate(engine, case.inputs, 12)[0] == case.expected

@@ -75,6 +75,7 @@ class LanguageEngine:
         prepare_device(self.device)
         self.model = load_text_model(config.model_path, self.device, self.dtype)
         self.linear_kernel = self.model.use_linear_kernel(config.linear_kernel)  # before sizing
+        self.elementwise_kernel = self.model.use_elementwise_kernel(config.elementwise_kernel)
         self.model_config = mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, list(mc.eos_token_ids))

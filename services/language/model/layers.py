@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.native_kernels import NativeKernels
 from services.language.kvcache.pool import KVPool
 from services.language.model.attention import paged_attention
 from services.language.model.batch import ForwardBatch
@@ -13,14 +14,18 @@ from services.language.model.rope import apply_rotary
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation computed in fp32, scaled by ``weight`` in the input dtype."""
+    """RMS normalisation computed in fp32, scaled by ``weight`` in the input dtype; in one pass
+    on the ``native`` kernels where they are set (``QwenTextModel.use_elementwise_kernel``)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.native: NativeKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and self.native.supports(x, self.weight):
+            return self.native.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

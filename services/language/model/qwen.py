@@ -18,6 +18,7 @@ from torch import nn
 
 from common.compute import intra_op_threads
 from common.linear_kernels import PackedLinear, use_linear_kernel
+from common.native_kernels import resolve_elementwise_kernel
 from services.language.kvcache.pool import KVPool
 from services.language.model.batch import ForwardBatch
 from services.language.model.config import TextModelConfig
@@ -125,3 +126,13 @@ class QwenTextModel(nn.Module):
             # NOTE: tied embeddings: the table stays for the lookups, the head gets a packed copy
             self.lm_head = PackedLinear(weight, None)
         return chosen
+
+    def use_elementwise_kernel(self, kernel: str) -> str:
+        """Give every RMSNorm the native kernel when ``kernel`` resolves to it (see
+        ``common/native_kernels.py``); returns the one that runs (native | torch)."""
+        weight = self.embed_tokens.weight
+        native = resolve_elementwise_kernel(kernel, weight.device, weight.dtype, "language model")
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.native = native
+        return "torch" if native is None else "native"
