@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from common.linear_kernels import LINEAR_KERNELS
-from common.native_kernels import ELEMENTWISE_KERNELS
+from common.native_kernels import CPU_KERNELS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # what a config's ``device`` may say
@@ -40,9 +40,9 @@ class Compute:
 
 
 def check_compute_settings(
-    device: str, dtype: str, linear_kernel: str, elementwise_kernel: str = "auto"
+    device: str, dtype: str, linear_kernel: str, cpu_kernels: str = "auto"
 ) -> None:
-    """A config's ``device``, ``dtype``, ``linear_kernel`` and ``elementwise_kernel``: a
+    """A config's ``device``, ``dtype``, ``linear_kernel`` and ``cpu_kernels``: a
     ``ValueError`` naming the bad one."""
     if not DEVICE_PATTERN.fullmatch(device):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
@@ -50,10 +50,8 @@ def check_compute_settings(
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if linear_kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {linear_kernel!r}")
-    if elementwise_kernel not in ELEMENTWISE_KERNELS:
-        raise ValueError(
-            f"elementwise_kernel must be one of {ELEMENTWISE_KERNELS}, got {elementwise_kernel!r}"
-        )
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

@@ -1,4 +1,4 @@
-/* Fused element-wise kernels for the CPU, built by common/native_kernels.py at first use.
+/* Fused kernels for the CPU, built by common/native_kernels.py at first use.
  *
  * Each kernel does in one pass over memory what torch does in several (a bf16 RMSNorm is eight
  * passes: a float32 copy, square, mean, add, rsqrt, multiply, a bf16 copy, the weight), with
@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -36,6 +37,29 @@ static inline float f32_round(float x) { return x; }
 static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 #define bf16_load bf16_to_f32
 #define bf16_store f32_to_bf16
+
+/* exp for float32 in a form the compiler vectorizes: n = round(x / ln 2) (adding and taking away
+ * 1.5 * 2^23 rounds to an integer without a library call), the rest r reduced in two steps
+ * (Cody-Waite), e^r by Cephes' degree-6 polynomial, 2^n put in the exponent bits. Within 2 ulp
+ * of the exact value over [-87.3, 88.7]; inputs beyond are clamped there. */
+static inline float exp_f32(float x) {
+    x = x < -87.336544f ? -87.336544f : x;
+    x = x > 88.72283f ? 88.72283f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float e = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return e * scale;
+}
 
 /* out[r] = weight * dtype(x[r] * 1 / sqrt(mean(x[r]^2) + eps)), float32 inside: transformers'
  * Qwen RMSNorm. x rows `x_stride` apart, out contiguous. */
@@ -94,6 +118,90 @@ static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
         }                                                                                      \
     }
 
+
+/* Decode attention over the KV pool, read in place: request i's one query token (q row i,
+ * `q_stride` apart: [heads, dim] each) attends to the keys at slots[offsets[i] .. offsets[i+1])
+ * of k_cache / v_cache ([slots, kv_heads, dim] contiguous); out [n, heads, dim] contiguous. One
+ * work item per (request, KV head): each key row is read once for the `heads / kv_heads` query
+ * heads that share it (GQA), scores kept whole per item (softmax in float32 with exp_f32; the
+ * weights rounded to the dtype before they multiply V, as SDPA's CPU kernel does, their sum
+ * taken before), the weighted values summed in float32 and rounded once. `max_len`: the longest request's keys
+ * (sizes each thread's score buffer). Requires heads / kv_heads <= MAX_GROUP, dim <= MAX_DIM. */
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#define DEFINE_DECODE_ATTENTION(T)                                                             \
+    int decode_attention_##T(const T##_t* q, int64_t q_stride, const T##_t* k_cache,           \
+                             const T##_t* v_cache, const int64_t* slots, const int64_t* offsets, \
+                             T##_t* out, int64_t n, int64_t heads, int64_t kv_heads,            \
+                             int64_t dim, int64_t max_len, float scale, int threads) {          \
+        const int64_t group = heads / kv_heads;                                                \
+        if (group > MAX_GROUP || dim > MAX_DIM || group * kv_heads != heads) return -1;        \
+        int failed = 0;                                                                        \
+        _Pragma("omp parallel num_threads(threads) reduction(| : failed)")                     \
+        {                                                                                      \
+            float* scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1))); \
+            float qf[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], row[MAX_DIM];              \
+            float inv_sum[MAX_GROUP];                                                          \
+            failed = scores == NULL;                                                           \
+            _Pragma("omp for schedule(dynamic, 1)")                                            \
+            for (int64_t item = 0; item < n * kv_heads; ++item) {                              \
+                if (failed) continue;                                                          \
+                const int64_t i = item / kv_heads, g = item % kv_heads;                        \
+                const int64_t* sl = slots + offsets[i];                                        \
+                const int64_t len = offsets[i + 1] - offsets[i];                               \
+                for (int64_t h = 0; h < group; ++h) {                                          \
+                    const T##_t* qh = q + i * q_stride + (g * group + h) * dim;                \
+                    _Pragma("omp simd")                                                        \
+                    for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = T##_load(qh[d]) * scale; \
+                }                                                                              \
+                for (int64_t j = 0; j < len; ++j) {                                            \
+                    const T##_t* k = k_cache + (sl[j] * kv_heads + g) * dim;                   \
+                    _Pragma("omp simd")                                                        \
+                    for (int64_t d = 0; d < dim; ++d) row[d] = T##_load(k[d]);                 \
+                    for (int64_t h = 0; h < group; ++h) {                                      \
+                        const float* qh = qf + h * dim;                                        \
+                        float dot = 0.0f;                                                      \
+                        _Pragma("omp simd reduction(+ : dot)")                                 \
+                        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * row[d];               \
+                        scores[h * len + j] = dot;                                             \
+                    }                                                                          \
+                }                                                                              \
+                for (int64_t h = 0; h < group; ++h) {                                          \
+                    float* sh = scores + h * len;                                              \
+                    float top = -INFINITY, sum = 0.0f;                                         \
+                    _Pragma("omp simd reduction(max : top)")                                   \
+                    for (int64_t j = 0; j < len; ++j) top = sh[j] > top ? sh[j] : top;         \
+                    _Pragma("omp simd reduction(+ : sum)")                                     \
+                    for (int64_t j = 0; j < len; ++j) {                                        \
+                        const float e = exp_f32(sh[j] - top);                                  \
+                        sum += e;                                                              \
+                        sh[j] = T##_round(e); /* as SDPA's kernel multiplies V: in the dtype */ \
+                    }                                                                          \
+                    inv_sum[h] = 1.0f / sum;                                                   \
+                }                                                                              \
+                memset(acc, 0, sizeof(float) * (size_t)(group * dim));                         \
+                for (int64_t j = 0; j < len; ++j) {                                            \
+                    const T##_t* v = v_cache + (sl[j] * kv_heads + g) * dim;                   \
+                    _Pragma("omp simd")                                                        \
+                    for (int64_t d = 0; d < dim; ++d) row[d] = T##_load(v[d]);                 \
+                    for (int64_t h = 0; h < group; ++h) {                                      \
+                        const float p = scores[h * len + j];                                   \
+                        float* ah = acc + h * dim;                                             \
+                        _Pragma("omp simd")                                                    \
+                        for (int64_t d = 0; d < dim; ++d) ah[d] += p * row[d];                 \
+                    }                                                                          \
+                }                                                                              \
+                for (int64_t h = 0; h < group; ++h) {                                          \
+                    T##_t* o = out + (i * heads + g * group + h) * dim;                        \
+                    _Pragma("omp simd")                                                        \
+                    for (int64_t d = 0; d < dim; ++d) o[d] = T##_store(acc[h * dim + d] * inv_sum[h]); \
+                }                                                                              \
+            }                                                                                  \
+            free(scores);                                                                      \
+        }                                                                                      \
+        return failed ? -2 : 0;                                                                \
+    }
+
 typedef uint16_t bf16_t;
 typedef float f32_t;
 
@@ -101,3 +209,5 @@ DEFINE_RMS_NORM(bf16)
 DEFINE_RMS_NORM(f32)
 DEFINE_ROTATE_QK(bf16)
 DEFINE_ROTATE_QK(f32)
+DEFINE_DECODE_ATTENTION(bf16)
+DEFINE_DECODE_ATTENTION(f32)

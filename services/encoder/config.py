@@ -46,7 +46,7 @@ class EncoderConfig:
         "plain) | plain (F.linear, the reference) | onednn (weights prepacked once; CPU bf16 "
         "only, else it falls back to plain and logs why)",
     )
-    elementwise_kernel: str = field(
+    cpu_kernels: str = field(
         "auto",
         help="kernels of the vision tower's RMSNorms and rotary embedding: auto (native on a "
         "CPU in bf16 where they build, else torch) | torch (torch's ops, the reference) | "
@@ -204,7 +204,7 @@ class EncoderConfig:
             raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
         if not 0 <= self.max_batch_ms < float("inf"):
             raise ValueError(f"max_batch_ms must be >= 0, got {self.max_batch_ms}")
-        check_compute_settings(self.device, self.dtype, self.linear_kernel, self.elementwise_kernel)
+        check_compute_settings(self.device, self.dtype, self.linear_kernel, self.cpu_kernels)
         if self.vision_attention not in VISION_ATTENTIONS:
             raise ValueError(
                 f"vision_attention must be one of {VISION_ATTENTIONS}, "

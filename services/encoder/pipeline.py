@@ -82,7 +82,7 @@ class EncoderPipeline:
             self.config.dtype,
             self.config.linear_kernel,
             self.config.vision_attention,
-            self.config.elementwise_kernel,
+            self.config.cpu_kernels,
         )
         self.preprocessor = ImagePreprocessor(  # patches in the tower's dtype
             self.checkpoint, self.config.min_pixels, self.config.max_pixels, self.tower.dtype

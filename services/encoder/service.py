@@ -90,13 +90,13 @@ class EncoderService:
         tower = self.pipeline.tower
         logger.info(
             "encoder: device %s, compute dtype %s, wire dtype %s, max prompt %d tokens, "
-            "linear kernel %s, element-wise kernels %s",
+            "linear kernel %s, CPU kernels %s",
             tower.device,
             dtype_name(tower.dtype),
             dtype_name(self.layout.dtype),
             self.max_prompt_tokens,
             tower.linear_kernel,
-            tower.elementwise_kernel,
+            tower.cpu_kernels,
         )
         self.shipper = Shipper(
             self.sender, self.rooms, config.submit_retry_s, on_transfer_failed=self.cancel

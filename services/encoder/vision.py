@@ -17,7 +17,7 @@ import torch
 from common.compute import prepare_device, resolve_compute
 from common.linear_kernels import use_linear_kernel
 from common.models import checkpoint_files
-from common.native_kernels import resolve_elementwise_kernel, use_native_rms_norms
+from common.native_kernels import resolve_cpu_kernels, use_native_rms_norms
 
 from .checkpoint import VISION_CLASS, Checkpoint
 from .patch_embed import patch_embed_as_linear
@@ -81,7 +81,7 @@ class VisionTower:
         dtype: str = "auto",
         linear_kernel: str = "auto",
         attention: str = "grouped",
-        elementwise_kernel: str = "auto",
+        cpu_kernels: str = "auto",
     ) -> None:
         from transformers.initialization import no_init_weights
 
@@ -102,10 +102,8 @@ class VisionTower:
         )
         if self.linear_kernel == "onednn" and patch_embed_as_linear(self.module):
             logger.info("vision tower: patch embedding runs as a prepacked linear layer")
-        native = resolve_elementwise_kernel(
-            elementwise_kernel, self.device, self.dtype, "vision tower"
-        )
-        self.elementwise_kernel = "torch" if native is None else "native"
+        native = resolve_cpu_kernels(cpu_kernels, self.device, self.dtype, "vision tower")
+        self.cpu_kernels = "torch" if native is None else "native"
         if native is not None:
             num = use_native_rms_norms(self.module, native)
             logger.info("vision tower: %d RMSNorms on the native kernel", num)

@@ -34,7 +34,7 @@ class LanguageConfig:
         "(F.linear, the reference) | onednn (weights prepacked once; CPU bf16 only, else it "
         "falls back to plain and logs why)",
     )
-    elementwise_kernel: str = field(
+    cpu_kernels: str = field(
         "auto",
         help="kernel of the RMSNorms: auto (native on a CPU in bf16 where it builds, else "
         "torch) | torch (torch's ops, the reference) | native (a fused C kernel built at first "
@@ -93,7 +93,7 @@ class LanguageConfig:
     worker: WorkerConfig = field(WorkerConfig(), help="registration and metrics")
 
     def __post_init__(self) -> None:
-        check_compute_settings(self.device, self.dtype, self.linear_kernel, self.elementwise_kernel)
+        check_compute_settings(self.device, self.dtype, self.linear_kernel, self.cpu_kernels)
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"

@@ -104,7 +104,7 @@ def describe(engine: LanguageEngine) -> str:
         f"wire dtype {dtype_name(parse_dtype(config.transfer.dtype))}, "
         f"KV pool {plan.num_slots} tokens, {plan.pool_bytes / MIB:.0f} MiB, set by {plan.reason}, "
         f"max_seq_len {engine.max_seq_len}, linear kernel {engine.linear_kernel}, "
-        f"element-wise kernels {engine.elementwise_kernel}"
+        f"CPU kernels {engine.cpu_kernels}"
     )
 
 

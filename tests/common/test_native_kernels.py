@@ -22,7 +22,7 @@ from common.native_kernels import (
     NativeKernels,
     build,
     load_native_kernels,
-    resolve_elementwise_kernel,
+    resolve_cpu_kernels,
     use_native_rms_norms,
 )
 from services.encoder.vision_attention import rotate_qk
@@ -120,18 +120,18 @@ def test_transformers_rms_norms_are_swapped_per_instance():
 
 def test_auto_takes_native_on_a_cpu_in_bf16_only(caplog):
     with caplog.at_level(logging.INFO, logger="common.native_kernels"):
-        assert resolve_elementwise_kernel("auto", CPU, torch.bfloat16, "m") is KERNELS
-        assert resolve_elementwise_kernel("auto", CPU, torch.float32, "m") is None
-        assert resolve_elementwise_kernel("auto", torch.device("cuda"), torch.bfloat16, "m") is None
-        assert resolve_elementwise_kernel("torch", CPU, torch.bfloat16, "m") is None
+        assert resolve_cpu_kernels("auto", CPU, torch.bfloat16, "m") is KERNELS
+        assert resolve_cpu_kernels("auto", CPU, torch.float32, "m") is None
+        assert resolve_cpu_kernels("auto", torch.device("cuda"), torch.bfloat16, "m") is None
+        assert resolve_cpu_kernels("torch", CPU, torch.bfloat16, "m") is None
     assert "auto keeps torch's ops in torch.float32" in caplog.text
-    assert resolve_elementwise_kernel("native", CPU, torch.float32, "m") is KERNELS
+    assert resolve_cpu_kernels("native", CPU, torch.float32, "m") is KERNELS
     with pytest.raises(RuntimeError, match="on cuda"):
-        resolve_elementwise_kernel("native", torch.device("cuda"), torch.bfloat16, "m")
+        resolve_cpu_kernels("native", torch.device("cuda"), torch.bfloat16, "m")
     with pytest.raises(RuntimeError, match="no native kernels for torch.float16"):
-        resolve_elementwise_kernel("native", CPU, torch.float16, "m")
-    with pytest.raises(ValueError, match="elementwise_kernel 'fused'"):
-        resolve_elementwise_kernel("fused", CPU, torch.bfloat16, "m")
+        resolve_cpu_kernels("native", CPU, torch.float16, "m")
+    with pytest.raises(ValueError, match="cpu_kernels 'fused'"):
+        resolve_cpu_kernels("fused", CPU, torch.bfloat16, "m")
 
 
 def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch, tmp_path, caplog):
@@ -139,12 +139,12 @@ def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch, tmp
         build(cc="no-such-cc", out_dir=tmp_path)
     monkeypatch.setattr(native_kernels, "load_native_kernels", lambda: (None, "no C compiler"))
     with caplog.at_level(logging.WARNING, logger="common.native_kernels"):
-        assert resolve_elementwise_kernel("auto", CPU, torch.bfloat16, "vision tower") is None
-    assert "vision tower: element-wise ops: torch (native kernels unavailable: no C compiler)" in (
+        assert resolve_cpu_kernels("auto", CPU, torch.bfloat16, "vision tower") is None
+    assert "vision tower: CPU kernels: torch (native kernels unavailable: no C compiler)" in (
         caplog.text
     )
-    with pytest.raises(RuntimeError, match="elementwise_kernel native: no C compiler"):
-        resolve_elementwise_kernel("native", CPU, torch.bfloat16, "vision tower")
+    with pytest.raises(RuntimeError, match="cpu_kernels native: no C compiler"):
+        resolve_cpu_kernels("native", CPU, torch.bfloat16, "vision tower")
 
 
 def test_a_failed_build_names_the_compiler_error(tmp_path, monkeypatch):
@@ -188,3 +188,63 @@ def test_supports_only_cpu_tensors_of_one_known_dtype():
     assert NativeKernels.supports(a, a)
     assert not NativeKernels.supports(a, a.float())
     assert not NativeKernels.supports(a.half(), a.half())
+
+
+def reference_decode_attention(q, k_cache, v_cache, slots_per_row, scale):
+    """Each row's query over its keys, gathered, in float32 (the formula, not a kernel)."""
+    out = []
+    group = q.shape[1] // k_cache.shape[1]
+    for row, slots in zip(q.float(), slots_per_row, strict=True):
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [len, heads, dim]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", row, k) * scale, dim=-1)
+        out.append(torch.einsum("hl,lhd->hd", weights, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,group,dim", [(2, 1, 64), (2, 2, 64), (1, 4, 128), (2, 8, 80)])
+def test_decode_attention_reads_each_rows_slots(dtype, kv_heads, group, dim):
+    """Rows of 1 to 1,100 keys at scattered slots, one of them sharing another's prefix;
+    against the gathered formula: float32 within 1e-5, bf16 within a few bf16 steps of the
+    outputs' scale (the weights rounded to bf16 before they meet V, as SDPA's kernel does)."""
+    gen = torch.Generator().manual_seed(group * dim)
+    pool = 3000
+    k_cache = torch.randn(pool, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(pool, kv_heads, dim, generator=gen).to(dtype)
+    lengths = [1, 7, 300, 1100, 513]
+    rows = [torch.randperm(pool, generator=gen)[:n] for n in lengths]
+    rows[4] = torch.cat([rows[2], torch.randperm(pool, generator=gen)[:213]])  # shared prefix
+    q = torch.randn(len(rows), kv_heads * group, dim, generator=gen).to(dtype)
+    offsets = torch.tensor([0, *(len(r) for r in rows)]).cumsum(0)
+    got = KERNELS.decode_attention(
+        q, k_cache, v_cache, torch.cat(rows), offsets, max(lengths), dim**-0.5
+    )
+    want = reference_decode_attention(q, k_cache, v_cache, rows, dim**-0.5)
+    assert got.shape == q.shape and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=tolerance)
+
+
+def test_decode_attention_reads_query_rows_of_a_wider_tensor():
+    """The queries as the model holds them: a view of the first rows of its flat batch."""
+    k_cache = torch.randn(50, 2, 64)
+    v_cache = torch.randn(50, 2, 64)
+    q_all = torch.randn(9, 4, 64)
+    slots = torch.arange(20)
+    offsets = torch.tensor([0, 5, 20])
+    got = KERNELS.decode_attention(q_all[:2], k_cache, v_cache, slots, offsets, 15, 0.125)
+    want = reference_decode_attention(q_all[:2], k_cache, v_cache, [slots[:5], slots[5:]], 0.125)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_decode_attention_fits_small_gqa_groups_only():
+    fits = NativeKernels.decode_attention_fits
+    assert fits(4, 2, 64) and fits(16, 4, 128) and fits(2, 2, 256)
+    assert not fits(16, 2, 128)  # a group of 8: SDPA after a gather is as fast (module doc)
+    assert not fits(4, 2, 512) and not fits(6, 4, 64) and not fits(4, 0, 64)
+    with pytest.raises(ValueError, match="does not fit the kernel"):
+        KERNELS.decode_attention(
+            torch.zeros(1, 40, 64), torch.zeros(4, 2, 64), torch.zeros(4, 2, 64),
+            torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), 1, 1.0,
+        )  # fmt: skip

@@ -106,16 +106,17 @@ def test_shipped_rows_are_the_vit_output_cast_to_the_wire_dtype(model_dirs, comp
         service.close()
 
 
-@pytest.mark.parametrize("elementwise", ["torch", "native"])
+@pytest.mark.parametrize("cpu_kernels", ["torch", "native"])
 @pytest.mark.parametrize("kernel", ["plain", "onednn"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_rows_match_transformers_bf16_tower(model_dirs, arch, kernel, elementwise):
+def test_bf16_rows_match_transformers_bf16_tower(model_dirs, arch, kernel, cpu_kernels):
     """Our tower in bf16 against transformers' model loaded in bf16 (``from_pretrained(dtype=
     torch.bfloat16)``), same pixels, one forward of both images.
 
-    Tolerance, against transformers in bf16, with the plain kernel and torch's element-wise ops:
-    none (bit-identical). With the onednn kernel (prepacked linears, bit-equal; the patch
-    embedding as a linear layer, which sums in another order than the convolution), or the
+    Tolerance, against transformers in bf16, with the plain kernel and torch's ops
+    (``cpu_kernels`` torch): none (bit-identical). With the onednn kernel (prepacked linears,
+    bit-equal; the patch embedding as a linear layer, which sums in another order than the
+    convolution), or the
     native RMSNorm (a row's sum of squares in another order; the native rotary embedding is
     bit-equal): ``ONEDNN_TOL`` of the rows' largest magnitude.
     With the plain kernel both run the same modules on
@@ -136,7 +137,7 @@ def test_bf16_rows_match_transformers_bf16_tower(model_dirs, arch, kernel, eleme
         dtype="bfloat16",
         cache_mb=0,
         linear_kernel=kernel,
-        elementwise_kernel=elementwise,
+        cpu_kernels=cpu_kernels,
     )
     pipe = EncoderPipeline(path, config)
     ref = HFReference(path)
@@ -159,8 +160,8 @@ def test_bf16_rows_match_transformers_bf16_tower(model_dirs, arch, kernel, eleme
         assert pipe.tower.dtype == got.dtype == want.dtype == torch.bfloat16
         assert got.shape == want.shape
         scale = want32.abs().max().item()
-        assert pipe.tower.elementwise_kernel == elementwise
-        if pipe.tower.linear_kernel == "plain" and elementwise == "torch":
+        assert pipe.tower.cpu_kernels == cpu_kernels
+        if pipe.tower.linear_kernel == "plain" and cpu_kernels == "torch":
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
         else:
             assert (got.float() - want.float()).abs().max().item() <= ONEDNN_TOL * scale

@@ -31,7 +31,7 @@ NUM_EQUAL_STEPS = 4  # greedy tokens required equal to the bf16 reference
 TOP = 5
 ONEDNN, WHY_NOT = onednn_usable(torch.device("cpu"), torch.bfloat16)
 NATIVE, WHY_NO_NATIVE = load_native_kernels()
-# (linear kernel, element-wise kernels) of the engines compared with the reference
+# (linear kernel, CPU kernels) of the engines compared with the reference
 ENGINES = [("plain", "torch")]
 ENGINES += [("onednn", "torch")] if ONEDNN else []
 ENGINES += [("onednn" if ONEDNN else "plain", "native")] if NATIVE is not None else []
@@ -53,10 +53,10 @@ def engines(arch, harness):
     # on the CPU, as the reference: the CUDA engine is checked against transformers on CUDA
     # (tests/cuda)
     return {
-        (linear, elementwise): h.engine(
-            device="cpu", dtype="bfloat16", linear_kernel=linear, elementwise_kernel=elementwise
+        (linear, cpu): h.engine(
+            device="cpu", dtype="bfloat16", linear_kernel=linear, cpu_kernels=cpu
         )
-        for linear, elementwise in ENGINES
+        for linear, cpu in ENGINES
     }
 
 
@@ -112,7 +112,7 @@ def check_against_reference(engine, ref, tolerance: float) -> None:
 def test_bf16_engine_matches_bf16_transformers(ref, engines, kernels):
     engine = engines[kernels]
     assert engine.dtype == torch.bfloat16
-    assert (engine.linear_kernel, engine.elementwise_kernel) == kernels
+    assert (engine.linear_kernel, engine.cpu_kernels) == kernels
     check_against_reference(engine, ref, BF16_LOGPROB_TOL)
 
 

@@ -101,15 +101,20 @@ def test_preemption_under_slot_pressure(h):
     assert engine.cache_manager.num_used == info.evictable_size
 
 
-def test_native_elementwise_kernels_in_float32(h):
-    """The native RMSNorm forced on in float32 (``auto`` keeps torch's ops there): a row's sum
-    of squares in another order moves values by ~1e-7, and the greedy tokens stay
+def test_native_cpu_kernelss_in_float32(h):
+    """The native kernels forced on in float32 (``auto`` keeps torch's ops there): RMSNorm (a
+    row's sum of squares in another order) and, where the GQA group fits it, decode attention
+    read in the pool in place move values by ~1e-7, and the greedy tokens stay
     transformers'."""
     kernels, why = load_native_kernels()
     if kernels is None:
         pytest.skip(f"native kernels: {why}")
-    engine = h.engine(elementwise_kernel="native", chunk_size=32)
-    assert engine.elementwise_kernel == "native"
+    engine = h.engine(cpu_kernels="native", chunk_size=32)
+    mc = engine.model_config
+    assert engine.cpu_kernels == "native"
+    assert (engine.runner.decode_kernels is not None) == kernels.decode_attention_fits(
+        mc.num_heads, mc.num_kv_heads, mc.head_dim
+    )
     for prompt, images in (("hello there, who are you?", []), (PROMPT, [make_image(64, 48, 1)])):
         case = h.case(prompt, images, 12)
         assert generate(engine, case.inputs, 12)[0] == case.expected

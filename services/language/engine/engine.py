@@ -75,7 +75,8 @@ class LanguageEngine:
         prepare_device(self.device)
         self.model = load_text_model(config.model_path, self.device, self.dtype)
         self.linear_kernel = self.model.use_linear_kernel(config.linear_kernel)  # before sizing
-        self.elementwise_kernel = self.model.use_elementwise_kernel(config.elementwise_kernel)
+        native = self.model.use_cpu_kernels(config.cpu_kernels)
+        self.cpu_kernels = "torch" if native is None else "native"
         self.model_config = mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, list(mc.eos_token_ids))
@@ -100,6 +101,11 @@ class LanguageEngine:
             self.cache_manager, config.chunk_size, config.max_running_requests
         )
         self.runner = ModelRunner(self.model, kv_pool, self.device)
+        if native is not None and native.decode_attention_fits(
+            mc.num_heads, mc.num_kv_heads, mc.head_dim
+        ):
+            self.runner.decode_kernels = native
+            logger.info("decode attention: the native kernel, keys read in the pool in place")
         if config.cuda_graphs and self.device.type == "cuda":
             max_batch = min(config.cuda_graph_max_batch, config.max_running_requests)
             self.runner.decode_graphs = DecodeGraphs(

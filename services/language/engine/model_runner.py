@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.native_kernels import NativeKernels
 from services.language.engine.decode_graphs import DecodeGraphs
 from services.language.engine.decode_groups import group_by_kv_len, pad_decode_group
 from services.language.engine.request import Request
 from services.language.engine.sampling import PROMPT_LOGPROB_ROWS, TokenLogprob, token_logprobs
 from services.language.engine.scheduler import ScheduledChunk
 from services.language.kvcache.pool import KVPool
-from services.language.model.batch import ExtendSegment, ForwardBatch
+from services.language.model.batch import DecodeRows, ExtendSegment, ForwardBatch
 from services.language.model.qwen import QwenTextModel
 
 
@@ -83,13 +84,15 @@ class ModelRunner:
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.decode_graphs: DecodeGraphs | None = None  # set by the engine on CUDA
+        # set by the engine on a CPU where the native decode attention is the faster path
+        self.decode_kernels: NativeKernels | None = None
 
     def build_batch(
         self, decode_groups: list[list[ScheduledChunk]], parts: list[ChunkInputs]
     ) -> ForwardBatch:
         """Flat rows: the decode tokens group by group, then the chunks; logits of the decode
         rows and of the chunks with ``sample``, in that order."""
-        ids, pos, groups = [], [], []
+        ids, pos, groups, decode_slots = [], [], [], []
         for members in decode_groups:
             kv_slots = []
             for chunk in members:
@@ -97,8 +100,15 @@ class ModelRunner:
                 ids.append(req.output_ids[chunk.start - req.prompt_len])
                 pos.append(chunk.start + req.inputs.mrope_delta)
                 kv_slots.append(req.slots[: chunk.end])
-            start = len(ids) - len(members)
-            groups.append(pad_decode_group(start, kv_slots, self.dtype, self.device))
+            decode_slots += kv_slots
+            if self.decode_kernels is None:
+                start = len(ids) - len(members)
+                groups.append(pad_decode_group(start, kv_slots, self.dtype, self.device))
+        rows = None
+        if self.decode_kernels is not None and decode_slots:
+            lens = [int(s.shape[0]) for s in decode_slots]
+            offsets = torch.tensor([0, *lens], dtype=torch.long).cumsum_(0)
+            rows = DecodeRows(self.decode_kernels, torch.cat(decode_slots), offsets, max(lens))
         extends, logit_rows = [], list(range(len(ids)))
         row = len(ids)
         for part in parts:
@@ -112,18 +122,20 @@ class ModelRunner:
         positions = [torch.tensor(pos, dtype=torch.long).expand(3, -1)]
         positions += [p.positions for p in parts]
         out_slots = [g.kv_slots[:, -1] for g in groups]  # see pad_decode_group (on the device)
+        if rows is not None:
+            out_slots.append(rows.slots[rows.offsets[1:] - 1])  # each request's newest slot
         out_slots += [p.out_slots.to(self.device) for p in parts]
         # NOTE: received rows are in the wire dtype (bf16 by default): cast to the model's here.
         image_rows = [p.image_rows.to(self.dtype) for p in parts if p.image_rows.shape[0]]
-        rows = torch.cat(image_rows).to(self.device) if image_rows else None
         return ForwardBatch(
             fill_ids=torch.cat(fill_ids).to(self.device),
             positions=torch.cat(positions, dim=1).to(self.device),
-            image_rows=rows,
+            image_rows=torch.cat(image_rows).to(self.device) if image_rows else None,
             out_slots=torch.cat(out_slots),
             extends=extends,
             decode_groups=groups,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+            decode_rows=rows,
         )
 
     @torch.inference_mode()

@@ -10,6 +10,11 @@ a slice of the pool, read in place; others are gathered. A decode query is one t
 ``heads / kv_heads`` query heads that share a KV head are laid out as that head's query rows:
 SDPA then reads each K/V head once instead of a copy repeated per query head (GQA).
 
+On a CPU with the native kernels, where they are the faster path (``DecodeRows``; GQA groups of
+up to 4 query heads), the decode tokens attend to their keys in the pool in place instead: one C
+call per layer for all of them, each key row read once per KV head, no gather, no padding, no
+mask (1.5-3x faster than the gather and SDPA at the demo checkpoint's widths).
+
 A prefill chunk after a long cached prefix on a CPU (``ExtendSegment.split_prefix``) attends to
 the prefix and to its own keys in two calls of SDPA's CPU kernel, merged by the log-sum-exp each
 returns: the prefix without a mask, the query heads that share a KV head laid out as that head's
@@ -52,6 +57,11 @@ def paged_attention(
             )
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    rows = batch.decode_rows
+    if rows is not None:
+        out[: rows.num_rows] = rows.kernels.decode_attention(
+            q[: rows.num_rows], k_cache, v_cache, rows.slots, rows.offsets, rows.max_len, scale
+        )
     for group in batch.decode_groups:
         num, max_len = group.kv_slots.shape
         rows = slice(group.row_start, group.row_start + num)

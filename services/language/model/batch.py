@@ -5,8 +5,9 @@ tokens alike) into ``T`` rows. Attention is computed per request over its KV slo
 the cached prefix followed by the tokens of this step (written before attention runs).
 
 Row layout: the ``B`` decode tokens first, as consecutive ``DecodeGroup`` row ranges (requests
-of similar KV length, see ``services/language/engine/decode_groups.py``), then the prefill
-chunks, one ``ExtendSegment`` each.
+of similar KV length, see ``services/language/engine/decode_groups.py``) or, on a CPU with the
+native decode-attention kernel, one ``DecodeRows`` whose keys are read in the pool in place;
+then the prefill chunks, one ``ExtendSegment`` each.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from common.native_kernels import NativeKernels
 
 # SDPA's CPU kernel, called directly where its log-sum-exp is needed too (None where torch lacks it)
 FLASH_ATTENTION_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -98,6 +101,22 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeRows:
+    """Every decode request's keys one after the other, for the native kernel that attends to
+    them in the pool in place (``NativeKernels.decode_attention``): no gather, no padding, one
+    call per layer. The decode tokens are rows ``0 .. n - 1`` of the flat batch."""
+
+    kernels: NativeKernels
+    slots: torch.Tensor  # long [sum of the requests' KV lengths], request by request (CPU)
+    offsets: torch.Tensor  # long [n + 1]: request i's keys are slots[offsets[i]:offsets[i + 1]]
+    max_len: int  # the longest request's keys
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+
+@dataclass
 class ForwardBatch:
     """Inputs of one forward step (all on the model's device)."""
 
@@ -108,6 +127,8 @@ class ForwardBatch:
     extends: list[ExtendSegment]
     decode_groups: list[DecodeGroup]  # consecutive row ranges from row 0; empty: no decodes
     logit_rows: torch.Tensor  # long [S]: rows whose next-token logits are returned
+    # the decode rows for the native kernel instead of ``decode_groups`` (then empty)
+    decode_rows: DecodeRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -117,4 +138,6 @@ class ForwardBatch:
     def num_keys(self) -> int:
         """Cached keys the step's attention reads, the decode groups' padding included."""
         keys = sum(int(seg.kv_slots.shape[0]) for seg in self.extends)
+        if self.decode_rows is not None:
+            keys += int(self.decode_rows.slots.shape[0])
         return keys + sum(int(group.kv_slots.numel()) for group in self.decode_groups)

@@ -15,7 +15,7 @@ from services.language.model.rope import apply_rotary
 
 class RMSNorm(nn.Module):
     """RMS normalisation computed in fp32, scaled by ``weight`` in the input dtype; in one pass
-    on the ``native`` kernels where they are set (``QwenTextModel.use_elementwise_kernel``)."""
+    on the ``native`` kernels where they are set (``QwenTextModel.use_cpu_kernels``)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

@@ -18,7 +18,7 @@ from torch import nn
 
 from common.compute import intra_op_threads
 from common.linear_kernels import PackedLinear, use_linear_kernel
-from common.native_kernels import resolve_elementwise_kernel
+from common.native_kernels import NativeKernels, resolve_cpu_kernels
 from services.language.kvcache.pool import KVPool
 from services.language.model.batch import ForwardBatch
 from services.language.model.config import TextModelConfig
@@ -127,12 +127,13 @@ class QwenTextModel(nn.Module):
             self.lm_head = PackedLinear(weight, None)
         return chosen
 
-    def use_elementwise_kernel(self, kernel: str) -> str:
-        """Give every RMSNorm the native kernel when ``kernel`` resolves to it (see
-        ``common/native_kernels.py``); returns the one that runs (native | torch)."""
+    def use_cpu_kernels(self, kernel: str) -> NativeKernels | None:
+        """Give every RMSNorm the native kernels when ``kernel`` resolves to them (see
+        ``common/native_kernels.py``) and return them (None: torch's ops); the runner takes
+        their decode attention where it is the faster path."""
         weight = self.embed_tokens.weight
-        native = resolve_elementwise_kernel(kernel, weight.device, weight.dtype, "language model")
+        native = resolve_cpu_kernels(kernel, weight.device, weight.dtype, "language model")
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.native = native
-        return "torch" if native is None else "native"
+        return native
