@@ -36,9 +36,10 @@ class LanguageConfig:
     )
     cpu_kernels: str = field(
         "auto",
-        help="kernel of the RMSNorms: auto (native on a CPU in bf16 where it builds, else "
-        "torch) | torch (torch's ops, the reference) | native (a fused C kernel built at first "
-        "use with the system's C compiler; an error where it cannot run)",
+        help="kernels of the RMSNorms and (GQA groups of up to 4 query heads) decode attention: "
+        "auto (native on a CPU in bf16 where they build, else torch) | torch (torch's ops, the "
+        "reference) | native (C kernels built at first use with the system's C compiler; an "
+        "error where they cannot run)",
     )
     kv_cache_memory_fraction: float = field(
         0.9,
