@@ -1,10 +1,11 @@
-/* Fused kernels for the CPU, built by common/native_kernels.py at first use.
+/* CPU kernels, built by common/native_kernels.py at first use.
  *
- * Each kernel does in one pass over memory what torch does in several (a bf16 RMSNorm is eight
- * passes: a float32 copy, square, mean, add, rsqrt, multiply, a bf16 copy, the weight), with
- * the same arithmetic: float32 inside, the same roundings to the tensor's dtype at the same
- * points, so results equal torch's up to the order of a row's sum (RMSNorm; bit for bit for the
- * rotary embedding). Rows are shared among `threads` OpenMP threads (torch's own runtime: the library
+ * RMSNorm and the rotary embedding do in one pass over memory what torch does in several (a
+ * bf16 RMSNorm is eight passes: a float32 copy, square, mean, add, rsqrt, multiply, a bf16 copy,
+ * the weight), with the same arithmetic: float32 inside, the same roundings to the tensor's
+ * dtype at the same points, so results equal torch's up to the order of a row's sum (RMSNorm;
+ * bit for bit for the rotary embedding). Decode attention reads the KV pool in place (see its
+ * comment). Work is shared among `threads` OpenMP threads (torch's own runtime: the library
  * links the libgomp torch loaded). Built with -ffp-contract=off, so no product and sum fuse
  * into one rounding that torch does in two.
  *

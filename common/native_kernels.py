@@ -1,5 +1,5 @@
-"""Fused element-wise CPU kernels (``native_kernels.c``), compiled at first use, with torch's
-ops as the fallback.
+"""CPU kernels in C (``native_kernels.c``), compiled at first use, with torch's ops as the
+fallback: RMSNorm, the vision tower's rotary embedding, and decode attention over the KV pool.
 
 On a CPU, a small model's forward is as much element-wise work as matrix products: a bf16
 RMSNorm is eight passes over memory in torch (a float32 copy, square, mean, add, rsqrt,
@@ -7,16 +7,19 @@ multiply, a bf16 copy, the weight), the vision tower's rotary embedding five. Th
 make each one pass with the same arithmetic (float32 inside, the same roundings to the tensor's
 dtype; see the C file's header), rows shared among torch's threads. Measured on 2 cores (bf16):
 RMSNorm of 16k x 128 rows 2.6 -> 1.5 ms, of 16k x 1,280 37 -> 8 ms; the demo tower's rotary
-embedding of 16k patches 8.6 -> 2.0 ms. A fused SiLU-and-multiply was tried and left out: its
-division and exp made it no faster than torch's vectorized ops in bf16.
+embedding of 16k patches 8.6 -> 2.0 ms. Decode attention reads each request's keys in the KV
+pool in place (``decode_attention``; where it wins, ``decode_attention_fits``) instead of the
+gather into a padded batch SDPA needs. Tried and left out: a fused SiLU-and-multiply (its
+division and exp made it no faster than torch's vectorized ops in bf16) and a greedy row max
+(slower than ``sampling.row_max``'s blocked ``amax``).
 
 The library is built once per source, compiler and CPU with the system's C compiler (``cc``,
 ``-O3 -march=native -fopenmp``, under a second) into ``$EPD_CACHE_DIR/native`` (default
 ``~/.cache/epd/native``), written to a temporary name and renamed, so concurrent processes never
 load half a file. ``load_native_kernels`` returns it, or None and the reason (no compiler, a
 failed build, not Linux on x86-64 or arm64): callers then keep torch's ops and log why.
-``resolve_cpu_kernels`` turns a service's ``cpu_kernels`` setting into the kernels
-to use (``auto``: native on a CPU where they build, else torch).
+``resolve_cpu_kernels`` turns a service's ``cpu_kernels`` setting into the kernels to use
+(``auto``: native on a CPU in bf16 where they build, else torch).
 
 Assumes: tensors on the CPU in bfloat16 or float32 whose last dimension is contiguous (the
 wrappers copy other layouts once); anything else goes to torch's ops (``supports``).
