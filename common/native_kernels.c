@@ -120,6 +120,40 @@ static inline float exp_f32(float x) {
     }
 
 
+/* 8-bit RGB frames -> the ViT's flat normalized patches by table lookup (see
+ * services/encoder/patches.py): frame t starts at pixels + t * frame_stride ([height, width,
+ * channels] uint8; a stride of 0 repeats one frame, as an image is); out is [grid_h * grid_w,
+ * channels * frames * patch * patch] in the patch order of Qwen's processor (merge blocks row by
+ * row, then the patches inside each block, each patch's values channel, frame, row, column),
+ * each value table[channel * 256 + byte]: exactly the table's values, in one pass. */
+#define DEFINE_CUT_PATCHES(T)                                                                  \
+    void cut_patches_##T(const uint8_t* pixels, int64_t frame_stride, int64_t frames,          \
+                         int64_t height, int64_t width, int64_t channels, int64_t patch,       \
+                         int64_t merge, const T##_t* table, T##_t* out, int threads) {         \
+        const int64_t grid_h = height / patch, grid_w = width / patch;                         \
+        const int64_t blocks_w = grid_w / merge;                                               \
+        const int64_t values = channels * frames * patch * patch;                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        for (int64_t n = 0; n < grid_h * grid_w; ++n) {                                        \
+            const int64_t in_block = n % (merge * merge), block = n / (merge * merge);         \
+            const int64_t row = (block / blocks_w) * merge + in_block / merge;                 \
+            const int64_t col = (block % blocks_w) * merge + in_block % merge;                 \
+            T##_t* o = out + n * values;                                                       \
+            for (int64_t c = 0; c < channels; ++c) {                                           \
+                const T##_t* lut = table + c * 256;                                            \
+                for (int64_t t = 0; t < frames; ++t) {                                         \
+                    const uint8_t* frame = pixels + t * frame_stride;                          \
+                    for (int64_t ph = 0; ph < patch; ++ph) {                                   \
+                        const uint8_t* src =                                                   \
+                            frame + ((row * patch + ph) * width + col * patch) * channels + c; \
+                        for (int64_t pw = 0; pw < patch; ++pw) o[pw] = lut[src[pw * channels]]; \
+                        o += patch;                                                            \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
 /* Decode attention over the KV pool, read in place: request i's one query token (q row i,
  * `q_stride` apart: [heads, dim] each) attends to the keys at slots[offsets[i] .. offsets[i+1])
  * of k_cache / v_cache ([slots, kv_heads, dim] contiguous); out [n, heads, dim] contiguous. One
@@ -212,3 +246,5 @@ DEFINE_ROTATE_QK(bf16)
 DEFINE_ROTATE_QK(f32)
 DEFINE_DECODE_ATTENTION(bf16)
 DEFINE_DECODE_ATTENTION(f32)
+DEFINE_CUT_PATCHES(bf16)
+DEFINE_CUT_PATCHES(f32)

@@ -58,6 +58,7 @@ SIGNATURES = {  # C function (without the dtype suffix) -> argument types
     "rms_norm": (_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _int),
     "rotate_qk": (_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
     "decode_attention": (_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, *(_i64,) * 5, _f32, _int),
+    "cut_patches": (_ptr, *(_i64,) * 7, _ptr, _ptr, _int),
 }
 RETURNS = {"decode_attention": ctypes.c_int}
 # decode attention: the C kernel's limits, and the largest GQA group (query heads per KV head)
@@ -175,6 +176,30 @@ class NativeKernels:
             seq, heads, dim, _threads(qkv.numel()),
         )  # fmt: skip
         return q, k
+
+    def cut_patches(
+        self, frames: torch.Tensor, table: torch.Tensor, patch: int, merge: int, repeat: int = 1
+    ) -> torch.Tensor:
+        """``frames`` ``[T, H, W, C]`` uint8 cut into the ViT's flat patches ``[grid_h * grid_w,
+        C * T' * patch * patch]``, each value ``table[c * 256 + byte]`` (``table``: the flat
+        per-channel lookup table, in the patches' dtype); ``repeat`` > 1 takes one frame
+        (``T`` = 1) that many times, as an image is (``T'`` = ``repeat``). The patch order is
+        ``services/encoder/patches.PatchCutter``'s, value for value."""
+        num, height, width, channels = frames.shape
+        if repeat > 1 and num != 1:
+            raise ValueError(f"repeat {repeat} takes one frame, got {num}")
+        if height % (patch * merge) or width % (patch * merge):
+            raise ValueError(f"{width}x{height} is not a whole number of {patch * merge} blocks")
+        frames = frames.contiguous()
+        stride = 0 if repeat > 1 else height * width * channels
+        count = repeat if repeat > 1 else num
+        grid = (height // patch) * (width // patch)
+        out = torch.empty(grid, channels * count * patch * patch, dtype=table.dtype)
+        self._fn("cut_patches", table.dtype)(
+            frames.data_ptr(), stride, count, height, width, channels, patch, merge,
+            table.contiguous().data_ptr(), out.data_ptr(), _threads(out.numel()),
+        )  # fmt: skip
+        return out
 
     @staticmethod
     def decode_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -11,6 +11,9 @@ same dtypes gives the same float32 values in one pass; the patch layout is the p
 floats), then looked up once into the output (~1.4x faster than normalizing planes and moving
 the floats). The output is in the tower's dtype: a bf16 tower gets bf16 patches, each value
 the fp32 one rounded as the tower's own cast would, at half the bytes and without that pass.
+With the native kernels (``cpu_kernels``) the cut and the lookup are one pass in C, the same
+values (bf16, 2 cores: a 448² image 3.3 -> 1.1 ms, a group of two 336² video frames 2.7 -> 0.5
+ms).
 
 ``PatchCutter.for_processor`` checks the table against the processor itself on a probe image
 holding every byte value in every channel, and returns None (the caller keeps the processor)
@@ -24,6 +27,8 @@ import logging
 import numpy as np
 import torch
 from PIL import Image
+
+from common.native_kernels import NativeKernels
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,8 @@ class PatchCutter:
         self.patch_size = patch_size
         self.merge_size = merge_size
         self.temporal_patch_size = temporal_patch_size
+        # the native kernel that cuts in one pass, the same values (set by ImagePreprocessor)
+        self.native: NativeKernels | None = None
 
     @classmethod
     def for_processor(cls, proc, dtype: torch.dtype = torch.float32) -> PatchCutter | None:
@@ -84,7 +91,12 @@ class PatchCutter:
     def __call__(self, img: Image.Image) -> torch.Tensor:
         """Flat patches of ``img`` (RGB, sides multiples of patch * merge), the frame
         repeated ``temporal_patch_size`` times (an image)."""
-        once = self._cut(torch.from_numpy(np.array(img))[None])  # [N, C * p * p]: one frame
+        pixels = torch.from_numpy(np.array(img))[None]
+        if self.native is not None:
+            return self.native.cut_patches(
+                pixels, self._flat_table, self.patch_size, self.merge_size, self.temporal_patch_size
+            )
+        once = self._cut(pixels)  # [N, C * p * p]: one frame
         n, t = once.shape[0], self.temporal_patch_size
         channels = self.table.shape[0]
         # each channel's values repeated per frame: the lookup runs once, the copy t times
@@ -95,7 +107,12 @@ class PatchCutter:
         ``[H, W, 3]`` uint8 of one size, in time order (the video processor's ``patchify``)."""
         if len(frames) != self.temporal_patch_size:
             raise ValueError(f"{len(frames)} frames for a group of {self.temporal_patch_size}")
-        return self._cut(torch.from_numpy(np.stack(frames)))
+        pixels = torch.from_numpy(np.stack(frames))
+        if self.native is not None:
+            return self.native.cut_patches(
+                pixels, self._flat_table, self.patch_size, self.merge_size
+            )
+        return self._cut(pixels)
 
     def _cut(self, pixels: torch.Tensor) -> torch.Tensor:
         """[T, H, W, C] uint8 -> normalized [grid_h * grid_w, C * T * p * p] in ``dtype``,

@@ -85,7 +85,11 @@ class EncoderPipeline:
             self.config.cpu_kernels,
         )
         self.preprocessor = ImagePreprocessor(  # patches in the tower's dtype
-            self.checkpoint, self.config.min_pixels, self.config.max_pixels, self.tower.dtype
+            self.checkpoint,
+            self.config.min_pixels,
+            self.config.max_pixels,
+            self.tower.dtype,
+            self.tower.native,
         )
         self.prompts = PromptBuilder(self.checkpoint)
         self.video_intake = VideoIntake(self.config)

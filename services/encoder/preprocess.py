@@ -16,6 +16,8 @@ import torch
 import xxhash
 from PIL import Image
 
+from common.native_kernels import NativeKernels
+
 from .checkpoint import Checkpoint
 from .patches import PatchCutter
 from .resize import smart_resize
@@ -39,7 +41,9 @@ class ImagePreprocessor:
         min_pixels: int = 0,
         max_pixels: int = 0,
         dtype: torch.dtype = torch.float32,
+        native: NativeKernels | None = None,
     ) -> None:
+        """``native``: the kernels that cut patches in one pass (the same values), if any."""
         proc = checkpoint.image_processor
         self._processor = proc
         self.patch_size = int(proc.patch_size)
@@ -65,6 +69,8 @@ class ImagePreprocessor:
         }
         self._params_digest = xxhash.xxh3_128(json.dumps(params, sort_keys=True).encode()).digest()
         self._cutter = PatchCutter.for_processor(proc, dtype)  # None: the processor cuts them
+        if self._cutter is not None:
+            self._cutter.native = native
 
     @property
     def params_digest(self) -> bytes:

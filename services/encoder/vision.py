@@ -103,6 +103,7 @@ class VisionTower:
         if self.linear_kernel == "onednn" and patch_embed_as_linear(self.module):
             logger.info("vision tower: patch embedding runs as a prepacked linear layer")
         native = resolve_cpu_kernels(cpu_kernels, self.device, self.dtype, "vision tower")
+        self.native = native  # also cuts the patches (``ImagePreprocessor``)
         self.cpu_kernels = "torch" if native is None else "native"
         if native is not None:
             num = use_native_rms_norms(self.module, native)
