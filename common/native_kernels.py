@@ -73,13 +73,11 @@ def cache_dir() -> Path:
 
 
 def _cpu_identity() -> str:
-    """What ``-march=native`` depends on: the CPU's model name and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
+    """What the instructions ``-march=native`` picks depend on: the CPU's feature flags."""
+    # NOTE: imported here: common.compute imports this module for CPU_KERNELS
+    from common.compute import cpu_flags
+
+    return " ".join(sorted(cpu_flags())) or platform.processor()
 
 
 def _compiler_version(cc: str) -> str:
