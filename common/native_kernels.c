@@ -1,10 +1,11 @@
 /* CPU kernels, built by common/native_kernels.py at first use.
  *
- * RMSNorm and the rotary embedding do in one pass over memory what torch does in several (a
+ * RMSNorm and the rotary embeddings do in one pass over memory what torch does in several (a
  * bf16 RMSNorm is eight passes: a float32 copy, square, mean, add, rsqrt, multiply, a bf16 copy,
  * the weight), with the same arithmetic: float32 inside, the same roundings to the tensor's
  * dtype at the same points, so results equal torch's up to the order of a row's sum (RMSNorm;
- * bit for bit for the rotary embedding). Decode attention reads the KV pool in place (see its
+ * bit for bit for the rotary embeddings, the language model's computed in its dtype as its
+ * torch ops are). Decode attention reads the KV pool in place (see its
  * comment). Work is shared among `threads` OpenMP threads (torch's own runtime: the library
  * links the libgomp torch loaded). Built with -ffp-contract=off, so no product and sum fuse
  * into one rounding that torch does in two.
@@ -116,6 +117,53 @@ static inline float exp_f32(float x) {
                     }                                                                          \
                 }                                                                              \
             }                                                                                  \
+        }                                                                                      \
+    }
+
+
+/* One head's rotate-half rotary embedding in the tensors' dtype, as torch's
+ * x * cos + rotate_half(x) * sin runs on them: each product and the sum rounded to the dtype
+ * apart (bf16 products are exact in float32, so each rounding is torch's). */
+#define DEFINE_ROPE_HEAD(T)                                                                    \
+    static inline void rope_head_##T(const T##_t* x, const T##_t* c, const T##_t* sn,          \
+                                     T##_t* o, int64_t dim) {                                  \
+        const int64_t half = dim / 2;                                                          \
+        _Pragma("omp simd")                                                                    \
+        for (int64_t d = 0; d < half; ++d) {                                                   \
+            const float a = T##_round(T##_load(x[d]) * T##_load(c[d]));                        \
+            const float b = T##_round(-T##_load(x[d + half]) * T##_load(sn[d]));               \
+            o[d] = T##_store(a + b);                                                           \
+        }                                                                                      \
+        _Pragma("omp simd")                                                                    \
+        for (int64_t d = half; d < dim; ++d) {                                                 \
+            const float a = T##_round(T##_load(x[d]) * T##_load(c[d]));                        \
+            const float b = T##_round(T##_load(x[d - half]) * T##_load(sn[d]));                \
+            o[d] = T##_store(a + b);                                                           \
+        }                                                                                      \
+    }
+
+/* The language model's rotary embedding and KV write for one step's tokens: q [T, heads, dim],
+ * k and v [T, kv_heads, dim] (token rows q_stride / k_stride / v_stride apart, each token's
+ * heads contiguous), cos / sin [T, dim] in the same dtype. q rotated into q_out [T, heads, dim];
+ * k rotated and v copied into the cache rows at slots[t] (caches [num_slots, kv_heads, dim]).
+ * One pass instead of torch's eight operators and two index copies. */
+#define DEFINE_ROPE_STORE(T)                                                                   \
+    void rope_store_##T(const T##_t* q, int64_t q_stride, const T##_t* k, int64_t k_stride,    \
+                        const T##_t* v, int64_t v_stride, const T##_t* cos, const T##_t* sin,  \
+                        const int64_t* slots, T##_t* q_out, T##_t* k_cache, T##_t* v_cache,    \
+                        int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,          \
+                        int threads) {                                                         \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        for (int64_t t = 0; t < tokens; ++t) {                                                 \
+            const T##_t* c = cos + t * dim;                                                    \
+            const T##_t* sn = sin + t * dim;                                                   \
+            for (int64_t h = 0; h < heads; ++h)                                                \
+                rope_head_##T(q + t * q_stride + h * dim, c, sn,                               \
+                              q_out + (t * heads + h) * dim, dim);                             \
+            const int64_t row = slots[t] * kv_heads * dim;                                     \
+            for (int64_t h = 0; h < kv_heads; ++h)                                             \
+                rope_head_##T(k + t * k_stride + h * dim, c, sn, k_cache + row + h * dim, dim);  \
+            memcpy(v_cache + row, v + t * v_stride, (size_t)(kv_heads * dim) * sizeof(T##_t)); \
         }                                                                                      \
     }
 
@@ -244,6 +292,10 @@ DEFINE_RMS_NORM(bf16)
 DEFINE_RMS_NORM(f32)
 DEFINE_ROTATE_QK(bf16)
 DEFINE_ROTATE_QK(f32)
+DEFINE_ROPE_HEAD(bf16)
+DEFINE_ROPE_HEAD(f32)
+DEFINE_ROPE_STORE(bf16)
+DEFINE_ROPE_STORE(f32)
 DEFINE_DECODE_ATTENTION(bf16)
 DEFINE_DECODE_ATTENTION(f32)
 DEFINE_CUT_PATCHES(bf16)

@@ -36,7 +36,8 @@ class LanguageConfig:
     )
     cpu_kernels: str = field(
         "auto",
-        help="kernels of the RMSNorms and (GQA groups of up to 4 query heads) decode attention: "
+        help="kernels of the RMSNorms, the rotary embedding with its KV write and (GQA groups "
+        "of up to 4 query heads) decode attention: "
         "auto (native on a CPU in bf16 where they build, else torch) | torch (torch's ops, the "
         "reference) | native (C kernels built at first use with the system's C compiler; an "
         "error where they cannot run)",

@@ -27,6 +27,7 @@ from common.native_kernels import (
 )
 from services.encoder.vision_attention import rotate_qk
 from services.language.model.layers import RMSNorm
+from services.language.model.rope import MRotaryEmbedding, apply_rotary
 
 CPU = torch.device("cpu")
 KERNELS, WHY_NOT = load_native_kernels()
@@ -87,6 +88,36 @@ def test_rotate_qk_is_bit_equal(dtype, seq, heads, dim):
     want = rotate_qk(qkv, emb.cos(), emb.sin())
     for g, w in zip(got, want, strict=True):
         assert g.dtype == dtype and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,dim", [(1, 2, 1, 8), (16, 4, 2, 64), (600, 16, 2, 128)]
+)
+@pytest.mark.parametrize("normed_k", [False, True])
+def test_rope_store_is_bit_equal_to_the_rotary_and_index_copies(
+    dtype, tokens, heads, kv_heads, dim, normed_k
+):
+    """q, k and v as the attention layer has them: views of one fused projection (k a tensor of
+    its own after a Qwen3 k-norm); the rotated k and v land in scattered cache slots."""
+    gen = torch.Generator().manual_seed(tokens + dim)
+    fused = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 4).to(dtype)
+    q, k, v = fused.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = q.view(tokens, heads, dim)
+    k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    if normed_k:
+        k = k * 1.5
+    rope = MRotaryEmbedding(dim, 1e6, (dim // 2, 0, 0), False, CPU)
+    cos, sin = rope.cos_sin(torch.randint(0, 40_000, (3, tokens), generator=gen), dtype)
+    slots = torch.randperm(2 * tokens + 5, generator=gen)[:tokens]
+    caches = [torch.full((2 * tokens + 5, kv_heads, dim), 7.0, dtype=dtype) for _ in range(4)]
+    k_want, v_want, k_got, v_got = caches
+    q_want = apply_rotary(q, cos, sin)
+    k_want.index_copy_(0, slots, apply_rotary(k, cos, sin))
+    v_want.index_copy_(0, slots, v)
+    q_got = KERNELS.rope_store(q, k, v, cos, sin, k_got, v_got, slots)
+    assert q_got.dtype == dtype and torch.equal(q_got, q_want)
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
 
 
 def test_language_rms_norm_uses_the_kernel_where_it_applies():

@@ -23,6 +23,7 @@ from common.linear_kernels import onednn_usable
 from common.models.hf_reference import HFReference
 from common.native_kernels import load_native_kernels
 from services.language.engine.sampling import SamplingParams
+from services.language.model.layers import Attention
 from tests.conftest import ARCHS
 from tests.language.conftest import generate, make_image, run_to_completion
 
@@ -137,3 +138,26 @@ def test_a_near_tie_may_go_either_way_and_ends_the_comparison():
         check_greedy_tokens([1, 3, 1], [1, 1, 1], steps, 0.02)  # 2.0 below the best
     with pytest.raises(AssertionError):
         check_greedy_tokens([1, 1], [1, 1, 1], steps, 0.02)
+
+
+@pytest.mark.skipif(NATIVE is None, reason=f"native kernels: {WHY_NO_NATIVE}")
+def test_native_rotary_and_kv_write_equal_torchs(ref, engines):
+    """The attention layers' one-pass rotary embedding and KV write compute exactly what
+    torch's operators do: every token and log-probability equal with and without it."""
+    engine = engines["onednn" if ONEDNN else "plain", "native"]
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, Attention)]
+    assert layers and all(layer.native is NATIVE for layer in layers)
+
+    def run(inputs):
+        engine.add_request("r", SamplingParams(max_new_tokens=12, top_logprobs=TOP), inputs)
+        return [lp for out in run_to_completion(engine)["r"] for lp in out.logprobs]
+
+    for _, inputs in cases(ref):
+        native = run(inputs)
+        for layer in layers:
+            layer.native = None
+        try:
+            assert run(inputs) == native
+        finally:
+            for layer in layers:
+                layer.native = NATIVE

@@ -84,6 +84,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # the rotary embedding and KV write in one native pass where set
+        # (``QwenTextModel.use_cpu_kernels``)
+        self.native: NativeKernels | None = None
 
     def forward(
         self,
@@ -100,10 +103,13 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_pool.layer(self.layer_id)
-        k_cache.index_copy_(0, batch.out_slots, k)
-        v_cache.index_copy_(0, batch.out_slots, v)
+        if self.native is not None and self.native.supports(q, k, v, cos, sin, k_cache):
+            q = self.native.rope_store(q, k, v, cos, sin, k_cache, v_cache, batch.out_slots)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            k_cache.index_copy_(0, batch.out_slots, k)
+            v_cache.index_copy_(0, batch.out_slots, v)
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 

@@ -22,7 +22,7 @@ from common.native_kernels import NativeKernels, resolve_cpu_kernels
 from services.language.kvcache.pool import KVPool
 from services.language.model.batch import ForwardBatch
 from services.language.model.config import TextModelConfig
-from services.language.model.layers import DecoderLayer, RMSNorm
+from services.language.model.layers import Attention, DecoderLayer, RMSNorm
 from services.language.model.rope import MRotaryEmbedding
 
 # Below all three, a step's decoder layers run on one thread (see the module doc; measured with
@@ -128,12 +128,13 @@ class QwenTextModel(nn.Module):
         return chosen
 
     def use_cpu_kernels(self, kernel: str) -> NativeKernels | None:
-        """Give every RMSNorm the native kernels when ``kernel`` resolves to them (see
+        """Give every RMSNorm and attention layer (rotary embedding and KV write) the native
+        kernels when ``kernel`` resolves to them (see
         ``common/native_kernels.py``) and return them (None: torch's ops); the runner takes
         their decode attention where it is the faster path."""
         weight = self.embed_tokens.weight
         native = resolve_cpu_kernels(kernel, weight.device, weight.dtype, "language model")
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, Attention)):
                 module.native = native
         return native
