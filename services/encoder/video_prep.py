@@ -132,10 +132,10 @@ class VideoPreprocessor:
         size = (plan.width, plan.height)
 
         def keep(index: int, rgb: np.ndarray) -> None:
-            img = Image.fromarray(rgb, "RGB")
-            if img.size != size:
-                img = img.resize(size, Image.Resampling.BICUBIC)
-            resized[index] = np.asarray(img)
+            if (rgb.shape[1], rgb.shape[0]) != size:  # else kept as decoded: no PIL round trip
+                img = Image.fromarray(rgb, "RGB").resize(size, Image.Resampling.BICUBIC)
+                rgb = np.asarray(img)
+            resized[index] = rgb
 
         decode_frames(data, header, list(plan.indices), keep, stop)
         return [resized[i] for i in plan.indices]
