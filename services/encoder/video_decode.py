@@ -14,9 +14,10 @@ Two steps, so limits come before pixels:
   is stored landscape; a mirrored clip is stored flipped): the header's size is the displayed
   one.
 * ``decode_frames`` decodes the stream once, front to back, and hands each wanted frame (by
-  index) to a callback as 8-bit RGB; frames not wanted are decoded (the codec needs them) but
-  never converted, and shown as the display matrix says (``display_transform``: the quarter
-  turns and flips FFmpeg's own autorotation applies). Every frame must have the
+  index) to a callback as 8-bit RGB, shown as the display matrix says (``display_transform``:
+  the quarter turns and flips FFmpeg's own autorotation applies); given more than one worker,
+  the conversion and the callback run on worker threads while the decoder goes on. Frames not
+  wanted are decoded (the codec needs them) but never converted. Every frame must have the
   header's stored size. Between two frames it asks the
   request's ``StopCheck``, which raises ``DeadlineExpired`` once the deadline passed and
   ``RequestCancelled`` once the room was cancelled: a long clip is not decoded for a request
@@ -32,11 +33,14 @@ files or URLs a crafted "video" names.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -173,14 +177,17 @@ def decode_frames(
     wanted: list[int],
     on_frame: Callable[[int, np.ndarray], None],
     stop: StopCheck | None = None,
+    workers: int = 1,
 ) -> None:
     """Decode ``data`` and call ``on_frame(index, rgb [H, W, 3] uint8)`` for every frame index
-    in ``wanted`` (ascending; repeats allowed), in order; ``stop.check`` before each frame
-    (``DeadlineExpired``, ``RequestCancelled``)."""
+    in ``wanted`` (ascending; repeats allowed): on this thread in index order when ``workers``
+    is 1, else on up to ``workers`` threads at once, so each wanted frame's RGB conversion and
+    ``on_frame``'s work (a resize) overlap the decoding of the next ones (both release the GIL).
+    ``stop.check`` before each frame (``DeadlineExpired``, ``RequestCancelled``)."""
     if not wanted:
         return
     todo = sorted(set(wanted))
-    with _reading(data) as container:
+    with _reading(data) as container, FrameHandoff(workers) as handoff:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         index, pos = 0, 0
@@ -194,12 +201,7 @@ def decode_frames(
                         f"video frame {index} is {frame.width}x{frame.height}; the header says "
                         f"{stored_w}x{stored_h}"
                     )
-                rgb = frame.to_ndarray(format="rgb24")
-                if header.mirrored:
-                    rgb = rgb[:, ::-1]
-                if header.rotation or header.mirrored:  # as displayed
-                    rgb = np.ascontiguousarray(np.rot90(rgb, header.rotation // 90))
-                on_frame(index, rgb)
+                handoff.run(_deliver, header, frame, index, on_frame)
                 pos += 1
                 if pos == len(todo):
                     return
@@ -208,6 +210,62 @@ def decode_frames(
         f"video decoded to {index} frames, fewer than its {header.num_frames} packets "
         "(corrupt or truncated)"
     )
+
+
+def _deliver(
+    header: VideoHeader,
+    frame: av.VideoFrame,
+    index: int,
+    on_frame: Callable[[int, np.ndarray], None],
+) -> None:
+    """``on_frame(index, rgb)`` with ``frame`` as displayed (``display_transform``)."""
+    rgb = frame.to_ndarray(format="rgb24")
+    if header.mirrored:
+        rgb = rgb[:, ::-1]
+    if header.rotation or header.mirrored:
+        rgb = np.ascontiguousarray(np.rot90(rgb, header.rotation // 90))
+    on_frame(index, rgb)
+
+
+class FrameHandoff:
+    """Runs each decoded frame's work on up to ``workers`` threads while the decoder goes on
+    (inline with one). At most ``IN_FLIGHT_PER_WORKER`` frames per worker wait or run: a slow
+    ``on_frame`` holds the decoder back instead of letting decoded frames pile up. Leaving the
+    ``with`` block waits for every frame's work and raises the first failure, unless the block
+    itself raised (then the frames still in flight are waited for and their failures dropped)."""
+
+    IN_FLIGHT_PER_WORKER = 2
+
+    def __init__(self, workers: int) -> None:
+        self._pool = ThreadPoolExecutor(workers, "epd-frames") if workers > 1 else None
+        self._limit = max(1, workers) * self.IN_FLIGHT_PER_WORKER
+        self._in_flight: collections.deque[Future] = collections.deque()
+
+    def __enter__(self) -> FrameHandoff:
+        return self
+
+    def run(self, fn: Callable[..., None], *args) -> None:
+        if self._pool is None:
+            fn(*args)
+            return
+        while len(self._in_flight) >= self._limit:
+            self._in_flight.popleft().result()
+        self._in_flight.append(self._pool.submit(fn, *args))
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if self._pool is None:
+            return
+        try:
+            while self._in_flight:
+                future = self._in_flight.popleft()
+                if exc is None:
+                    future.result()
+                else:
+                    futures.wait([future])
+        finally:
+            for future in self._in_flight:
+                future.cancel()
+            self._pool.shutdown(wait=True)
 
 
 @contextlib.contextmanager

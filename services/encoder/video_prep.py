@@ -2,7 +2,8 @@
 ViT unit per frame group, or its groups' rows taken from the embedding cache.
 
 Frames are resized like images (PIL bicubic, to the plan's size) as soon as they are decoded,
-so only resized frames are held; a group's frames are normalized and cut with the image path's
+on as many threads as the process computes with, beside the decoding, so only resized frames
+are held; a group's frames are normalized and cut with the image path's
 lookup table when the ViT takes the group (``PatchCutter.cut_frames``: ``[grid_h * grid_w,
 C * temporal * p * p]`` per group, the video processor's layout), not while the Encode call
 waits. The checkpoint's image processor gives the normalization (Qwen's video
@@ -137,7 +138,8 @@ class VideoPreprocessor:
                 rgb = np.asarray(img)
             resized[index] = rgb
 
-        decode_frames(data, header, list(plan.indices), keep, stop)
+        workers = torch.get_num_threads()  # the resizes (and conversions) beside the decoding
+        decode_frames(data, header, list(plan.indices), keep, stop, workers)
         return [resized[i] for i in plan.indices]
 
     def cut(self, frames: list[np.ndarray]) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -21,9 +22,16 @@ import torch
 from PIL import Image
 
 from services.encoder.config import EncoderConfig
+from services.encoder.errors import InvalidInput
 from services.encoder.pipeline import EncoderPipeline
 from services.encoder.types import ChatMessage, ContentPart, VideoInput, VideoSampling
-from services.encoder.video_decode import VideoHeader, VideoLimits, decode_frames, probe_video
+from services.encoder.video_decode import (
+    FrameHandoff,
+    VideoHeader,
+    VideoLimits,
+    decode_frames,
+    probe_video,
+)
 from services.encoder.video_sampling import VideoSettings, plan_video, sample_indices
 from tests.media import decoded_frames, make_video
 
@@ -274,3 +282,53 @@ def test_display_rotation_turns_frames_upright(pipelines, rotation):
     _, grid_h, grid_w = prompt.items[0].grid_thw
     assert (grid_w * 14, grid_h * 14) == (header.width, header.height)
     pipe.discard(prompt)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_frames_handed_to_workers_are_the_decoded_frames(workers):
+    """With worker threads each wanted frame still reaches ``on_frame`` once, as decoded (a
+    repeated index once), whatever order the workers finish in."""
+    data = make_video(num_frames=12, width=64, height=48, fps=4, seed=3)
+    header = probe_video(data, VideoLimits())
+    expected = decoded_frames(data)
+    got: dict[int, np.ndarray] = {}
+    threads = set()
+
+    def on_frame(index, rgb):
+        assert index not in got
+        threads.add(threading.current_thread().name)
+        got[index] = rgb
+
+    decode_frames(data, header, [0, 2, 2, 5, 7, 11], on_frame, workers=workers)
+    assert sorted(got) == [0, 2, 5, 7, 11]
+    assert all(np.array_equal(got[i], expected[i]) for i in got)
+    assert all(name.startswith("epd-frames") for name in threads)
+
+
+def test_a_failing_frame_on_a_worker_fails_the_decode():
+    data = make_video(num_frames=8, width=32, height=32, fps=4, seed=4)
+    header = probe_video(data, VideoLimits())
+
+    def on_frame(index, rgb):
+        if index == 3:
+            raise InvalidInput("frame 3 is bad")
+
+    with pytest.raises(InvalidInput, match="frame 3 is bad"):
+        decode_frames(data, header, list(range(8)), on_frame, workers=2)
+
+
+def test_the_handoff_holds_the_decoder_back_when_workers_fall_behind():
+    """At most ``IN_FLIGHT_PER_WORKER`` frames per worker wait or run: the next ``run`` blocks
+    until one is done, so decoded frames cannot pile up behind a slow callback."""
+    release = threading.Event()
+    limit = 2 * FrameHandoff.IN_FLIGHT_PER_WORKER
+    with FrameHandoff(2) as handoff:
+        for _ in range(limit):
+            handoff.run(release.wait, 30)
+        extra = threading.Thread(target=handoff.run, args=(release.wait, 30))
+        extra.start()
+        extra.join(0.3)
+        assert extra.is_alive()  # blocked behind the full hand-off
+        release.set()
+        extra.join(30)
+        assert not extra.is_alive()

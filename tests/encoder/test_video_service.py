@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 from test_encoder_service import FakeSender, _hold_vit, _idle, _service, until
 
@@ -25,6 +26,7 @@ from services.encoder.types import (
     RoomStatus,
     VideoInput,
 )
+from services.encoder.video_decode import FrameHandoff
 from tests.media import make_video
 
 CLIP = make_video(num_frames=16, width=64, height=48, fps=4, seed=11)  # 4 s: 8 frames
@@ -111,13 +113,18 @@ def test_deadline_passing_during_intake_fails_the_room_and_frees_it(qwen25_dir):
 def test_cancel_while_the_video_decodes_stops_the_decode(qwen25_dir, monkeypatch):
     """``Cancel`` arrives (from another thread) while ``accept`` decodes the video, held after
     its first frame: the room fails at once (here and at the sender), the decode stops at the
-    next frame, ``accept`` raises ``RequestCancelled``, the patch bytes come back, no frame is
-    counted, the room id stays refused, and the next request is served."""
+    next frame (those already handed to other workers still run), ``accept`` raises
+    ``RequestCancelled``, the patch bytes come back, no frame is counted, the room id stays
+    refused, and the next request is served."""
     decoding, cancelled = threading.Event(), threading.Event()
     frames: list[int] = []
     decode_frames = video_prep.decode_frames
 
-    def held_after_the_first_frame(data, header, wanted, on_frame, stop=None):
+    workers: list[int] = []
+
+    def held_after_the_first_frame(data, header, wanted, on_frame, stop=None, num_workers=1):
+        workers.append(num_workers)
+
         def on_frame_held(index, rgb):
             on_frame(index, rgb)
             frames.append(index)
@@ -125,7 +132,7 @@ def test_cancel_while_the_video_decodes_stops_the_decode(qwen25_dir, monkeypatch
                 decoding.set()
                 assert cancelled.wait(30)
 
-        return decode_frames(data, header, wanted, on_frame_held, stop)
+        return decode_frames(data, header, wanted, on_frame_held, stop, num_workers)
 
     monkeypatch.setattr(video_prep, "decode_frames", held_after_the_first_frame)
     sender = FakeSender()
@@ -146,7 +153,10 @@ def test_cancel_while_the_video_decodes_stops_the_decode(qwen25_dir, monkeypatch
             cancelled.set()
             with pytest.raises(RequestCancelled, match="client went away while decoding the video"):
                 accepting.result(timeout=30)
-        assert len(frames) == 1  # stopped at the next frame
+        # stopped at the next frame it decoded; the frames already handed to the other
+        # workers (at most the hand-off's limit) still ran
+        assert workers == [torch.get_num_threads()]
+        assert 1 <= len(frames) <= 1 + FrameHandoff.IN_FLIGHT_PER_WORKER * workers[0] < 8
         assert service.pipeline.video_totals()[0] == 0
         _idle(service)
         with pytest.raises(RoomInUse, match="room 1 is already in use .FAILED: cancelled"):
