@@ -104,7 +104,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = kv_pool.layer(self.layer_id)
-        if self.native is not None and self.native.supports(q, k, v, cos, sin, k_cache):
+        # the native pass assumes CPU tensors of one dtype (``supports``) and slots in range
+        # (the engine's allocator gives them; the kernel does not check)
+        if self.native is not None and self.native.supports(q, k, v, cos, sin, k_cache, v_cache):
             q = self.native.rope_store(q, k, v, cos, sin, k_cache, v_cache, batch.out_slots)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
