@@ -183,4 +183,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         if stack is not None:
+            # a second Ctrl-C or SIGTERM (`timeout` signals the whole process group, a supervisor
+            # may repeat itself) must not cut the stop short: it ends every service within its
+            # own timeout, and the services die with this process whatever happens
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             stack.stop()
