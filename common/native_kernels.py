@@ -11,11 +11,14 @@ RMSNorm of 16k x 128 rows 2.6 -> 1.5 ms, of 16k x 1,280 37 -> 8 ms; the demo tow
 embedding of 16k patches 8.6 -> 2.0 ms. The language model's rotary embedding and KV write
 (``rope_store``: eight operators and two index copies per layer in torch, bit for bit the same
 values) made the demo model's 8,659-token prefill 1.16x faster and the bench model's 2,048-token
-one 1.12x (engine alone, alternated; decode steps unchanged). Decode attention reads each request's keys in the KV
-pool in place (``decode_attention``; where it wins, ``decode_attention_fits``) instead of the
-gather into a padded batch SDPA needs. Tried and left out: a fused SiLU-and-multiply (its
-division and exp made it no faster than torch's vectorized ops in bf16) and a greedy row max
-(slower than ``sampling.row_max``'s blocked ``amax``).
+one 1.12x (engine alone, alternated; decode steps unchanged). Decode attention reads each
+request's keys in the KV pool in place (``decode_attention``; where it wins,
+``decode_attention_fits``) instead of the gather into a padded batch SDPA needs. Tried and
+left out: a fused SiLU-and-multiply (its division and exp made it no faster than torch's
+vectorized ops in bf16), a greedy row max (slower than ``sampling.row_max``'s blocked
+``amax``), and a small-batch bf16 matrix product on AMX tiles for decode-sized linears
+(bit-equal to oneDNN's prepacked one, 0.7-1.1x of it: both read the weights at what the memory
+gives).
 
 The library is built once per source, compiler and CPU with the system's C compiler (``cc``,
 ``-O3 -march=native -fopenmp``, under a second) into ``$EPD_CACHE_DIR/native`` (default
