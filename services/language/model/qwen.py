@@ -129,9 +129,9 @@ class QwenTextModel(nn.Module):
 
     def use_cpu_kernels(self, kernel: str) -> NativeKernels | None:
         """Give every RMSNorm and attention layer (rotary embedding and KV write) the native
-        kernels when ``kernel`` resolves to them (see
-        ``common/native_kernels.py``) and return them (None: torch's ops); the runner takes
-        their decode attention where it is the faster path."""
+        kernels when ``kernel`` resolves to them (see ``common/native_kernels.py``) and return
+        them (None: torch's ops); the runner takes their decode attention where it is the
+        faster path."""
         weight = self.embed_tokens.weight
         native = resolve_cpu_kernels(kernel, weight.device, weight.dtype, "language model")
         for module in self.modules():
