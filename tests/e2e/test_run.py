@@ -34,21 +34,42 @@ def _services_of(*ports: int) -> list[int]:
     return found
 
 
+class _Output:
+    """Everything ``proc`` prints, read line by line by a thread of its own as it comes."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self._lines: list[str] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._pump, args=(proc,), daemon=True)
+        self._reader.start()
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            with self._changed:
+                self._lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def until(self, marker: str, timeout_s: float) -> str:
+        """What was printed up to the first line with ``marker`` (or the timeout, or its end)."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: any(marker in line for line in self._lines) or not self._reader.is_alive(),
+                timeout_s,
+            )
+            return "".join(self._lines)
+
+    def all(self, timeout_s: float) -> str:
+        """Everything it printed, once its output closed (or the timeout)."""
+        self._reader.join(timeout_s)
+        with self._changed:
+            return "".join(self._lines)
+
+
 def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> str:
     """What ``proc`` printed up to the first line with ``marker`` (or the timeout, or its end)."""
-    lines: list[str] = []
-    seen = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if marker in line:
-                seen.set()
-        seen.set()  # the process closed its output
-
-    threading.Thread(target=pump, daemon=True).start()
-    seen.wait(timeout_s)
-    return "".join(lines)
+    return _Output(proc).until(marker, timeout_s)
 
 
 def test_run_answers_the_demo_and_stops_everything_on_sigterm_even_twice(tmp_path: Path) -> None:
@@ -75,7 +96,8 @@ def test_run_answers_the_demo_and_stops_everything_on_sigterm_even_twice(tmp_pat
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        out = _read_until(proc, "status page:", 240.0)
+        output = _Output(proc)
+        out = output.until("status page:", 240.0)
         assert "answer:" in out and "finish:" in out, out[-3000:]
         assert "serving on" in out, out[-3000:]
         assert f"worker registry on 127.0.0.1:{registry_port}" in out, out[-3000:]
@@ -97,8 +119,8 @@ def test_run_answers_the_demo_and_stops_everything_on_sigterm_even_twice(tmp_pat
         time.sleep(0.3)  # a second one while it stops (as `timeout` signals a whole group)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        rest = proc.stdout.read()
-        assert "Traceback" not in rest, rest[-3000:]
+        printed = output.all(30)
+        assert "Traceback" not in printed, printed[-3000:]
         deadline = time.monotonic() + 20
         while _services_of(*ports) and time.monotonic() < deadline:
             time.sleep(0.2)
