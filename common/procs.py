@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -164,3 +165,23 @@ class ServiceProcess:
                 self.kill(signal.SIGKILL)
                 self.proc.wait(timeout_s)
         self._log.close()
+
+
+def wait_first_exit(procs: Sequence[ServiceProcess]) -> ServiceProcess:
+    """Block until one of ``procs`` exits and return it. A watcher thread per process waits for
+    its exit (each ends with its process); the caller's wait still gives way to a signal handler
+    that raises (the launchers' SIGTERM and Ctrl-C)."""
+    exited: list[ServiceProcess] = []
+    done = threading.Event()
+
+    def watch(proc: ServiceProcess) -> None:
+        proc.proc.wait()
+        exited.append(proc)
+        done.set()
+
+    for proc in procs:
+        threading.Thread(
+            target=watch, args=(proc,), name=f"epd-watch-{proc.name}", daemon=True
+        ).start()
+    done.wait()
+    return exited[0]

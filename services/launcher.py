@@ -17,9 +17,9 @@ import json
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from common.procs import wait_first_exit
 from services.local_stack import start_local_stack
 
 DEMO_PROMPT = "Describe this image."
@@ -174,10 +174,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if stack.http_url:
             _say(http_hints(stack.http_url, args.max_tokens))
-        while all(p.alive() for p in stack.procs):
-            time.sleep(1.0)
-        dead = [p for p in stack.procs if not p.alive()]
-        _say(f"{dead[0].name} exited:\n{dead[0].tail()}")
+        dead = wait_first_exit(stack.procs)
+        _say(f"{dead.name} exited:\n{dead.tail()}")
         return 1
     except KeyboardInterrupt:
         return 0

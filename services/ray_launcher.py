@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -292,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print(f"serving on {', '.join(gateway_addresses)} (Ctrl-C to stop)", flush=True)
         while True:
-            time.sleep(1)
+            signal.pause()  # nothing to do until Ctrl-C (its KeyboardInterrupt ends the wait)
     except KeyboardInterrupt:
         return 0
     finally:
