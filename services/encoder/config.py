@@ -48,8 +48,9 @@ class EncoderConfig:
     )
     cpu_kernels: str = field(
         "auto",
-        help="kernels of the vision tower's RMSNorms and rotary embedding: auto (native on a "
-        "CPU in bf16 where they build, else torch) | torch (torch's ops, the reference) | "
+        help="kernels of the vision tower's RMSNorms and rotary embedding and of patch "
+        "cutting: auto (native on a CPU in bf16 where they build, else torch) | torch (torch's "
+        "ops, the reference) | "
         "native (fused C kernels built at first use with the system's C compiler; an error "
         "where they cannot run)",
     )
