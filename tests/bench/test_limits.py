@@ -1,6 +1,8 @@
 """``bench.limits``' reference and table: the least disturbed figures count, decode rows are
 also held against the read-only pass."""
 
+from dataclasses import asdict
+
 from bench.limits import Reference, Stage, _stage_dict, best_of, format_table
 
 
@@ -26,7 +28,7 @@ def test_table_holds_decode_rows_against_the_read_too():
     result = {
         "model": "m",
         "goal": 0.6,
-        "runs": [{"reference": ref.__dict__, "stages": [_stage_dict(s) for s in stages]}],
+        "runs": [{"reference": asdict(ref), "stages": [_stage_dict(s) for s in stages]}],
     }
     table = format_table(result).splitlines()
     assert "a sum over it 16.0 GB/s (read)" in table[1]
