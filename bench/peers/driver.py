@@ -4,16 +4,20 @@ Both serve the same checkpoint in the same dtype (``--dtype auto`` is what our s
 for ``auto``, given to both explicitly) and are driven by the same async streaming client with
 the same kind of fresh requests. vLLM starts first, then our stack; both stay resident when the
 host's memory allows (``--together auto``), else they run one at a time. Each is warmed up,
-then every (workload, concurrency) cell sends its requests to each system in two runs ordered
-ours, vLLM, vLLM, ours (the next cell vLLM, ours, ours, vLLM), so that drift favours neither;
-one at a time, the runs keep that order across server starts (vLLM, ours, ours, vLLM). With
+then every (workload, concurrency) cell sends its requests to each system in ``--repeats`` runs
+(two by default) ordered ours, vLLM, vLLM, ours, ours, vLLM, ... (the next cell starting with
+vLLM), so that drift favours neither; one at a time, the runs keep that order across server
+starts (vLLM, ours, ours, vLLM, ...). Each system's i-th run of a cell is next in time to the
+other's i-th: their requests/s ratio is one pair, and the table shows the pairs' range beside
+the pooled ratio (on a host whose speed drifts within minutes, a wide range says the cell is
+noise). With
 ``--aiperf`` NVIDIA's ``aiperf`` also measures each server (one fresh image, concurrency 8),
 beside our client on the same workload. The video workloads (``video_10s``, ``video_60s``,
 ``repeated_video``) run when named in ``--workloads``.
 
 ``python -m bench.peers [--checkpoint demo|bench|PATH] [--dtype auto|float32|bfloat16]
 [--concurrency 1,16,64] [--workloads text,image,four_images,repeated_image,json_schema]
-[--requests N]
+[--requests N] [--repeats 2]
 [--quick] [--json] [--aiperf | --no-aiperf] [--together auto|yes|no]``; ``make bench-peers``.
 """
 
@@ -44,9 +48,8 @@ CONCURRENCY = (1, 16, 64)
 QUICK_CONCURRENCY = (16,)
 QUICK_WORKLOADS = ("text", "image")
 MIN_REQUESTS = 32  # per system per cell, unless --requests
-REPEATS = 2  # runs per system per cell, in A B B A order
+REPEATS = 2  # runs per system per cell by default, in A B B A order
 WARMUP_REQUESTS = 4
-SEQUENTIAL_ORDER = ("vllm", "ours", "ours", "vllm")  # one run each, servers one at a time
 
 
 def say(msg: str) -> None:
@@ -70,18 +73,24 @@ def requests_per_cell(args: argparse.Namespace, concurrency: int) -> int:
     """Requests each system gets in a cell (at least one per run): ``--requests``, or enough
     for every run to keep ``concurrency`` busy."""
     if args.requests:
-        return max(args.requests, REPEATS)
-    return max(MIN_REQUESTS, REPEATS * concurrency)
+        return max(args.requests, args.repeats)
+    return max(MIN_REQUESTS, args.repeats * concurrency)
 
 
 def split(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-def run_order(cell_index: int) -> tuple[str, ...]:
-    """A B B A for even cells, B A A B for odd ones."""
-    a, b = SYSTEMS if cell_index % 2 == 0 else reversed(SYSTEMS)
-    return (a, b, b, a)
+def run_order(cell_index: int, repeats: int = REPEATS) -> tuple[str, ...]:
+    """``repeats`` runs of each system: A B B A A B ... for even cells, B A A B B A ... for
+    odd ones."""
+    a, b = SYSTEMS if cell_index % 2 == 0 else tuple(reversed(SYSTEMS))
+    return tuple(s for k in range(repeats) for s in ((a, b) if k % 2 == 0 else (b, a)))
+
+
+def sequential_order(repeats: int) -> tuple[str, ...]:
+    """One server at a time: vLLM, ours, ours, vLLM, ... (one server start per stretch)."""
+    return run_order(1, repeats)
 
 
 class Session:
@@ -158,7 +167,7 @@ class Session:
     def _run_all_cells(self, system: str, url: str, index: int) -> None:
         """Run ``index`` (0-based) of ``system`` in every cell."""
         for workload, conc in self.cells:
-            num = split(requests_per_cell(self.args, conc), REPEATS)[index]
+            num = split(requests_per_cell(self.args, conc), self.args.repeats)[index]
             self.run_cell(system, url, workload, conc, num)
 
     def measure_together(self, aiperf_cmd: Path | None) -> None:
@@ -168,18 +177,19 @@ class Session:
             for system in SYSTEMS:
                 self.warm_up(system, urls[system])
             for k, (workload, conc) in enumerate(self.cells):
-                nums = {s: split(requests_per_cell(self.args, conc), REPEATS) for s in SYSTEMS}
-                for system in run_order(k):
+                total = requests_per_cell(self.args, conc)
+                nums = {s: split(total, self.args.repeats) for s in SYSTEMS}
+                for system in run_order(k, self.args.repeats):
                     self.run_cell(system, urls[system], workload, conc, nums[system].pop(0))
             if aiperf_cmd:
                 for system in SYSTEMS:
                     self.run_aiperf(system, urls[system], aiperf_cmd)
 
     def measure_one_at_a_time(self, aiperf_cmd: Path | None) -> None:
-        """One server at a time: runs of every cell in ``SEQUENTIAL_ORDER`` (vLLM, ours, ours,
-        vLLM), one server start per stretch of the same system."""
+        """One server at a time: runs of every cell in ``sequential_order`` (vLLM, ours, ours,
+        vLLM, ...), one server start per stretch of the same system."""
         runs_done = dict.fromkeys(SYSTEMS, 0)
-        for system, group in itertools.groupby(SEQUENTIAL_ORDER):
+        for system, group in itertools.groupby(sequential_order(self.args.repeats)):
             with self.serving(system) as url:
                 self.warm_up(system, url)
                 for _ in group:
@@ -198,6 +208,11 @@ class Session:
                 key: stats.ratio(row["ours"][key], row["vllm"][key])
                 for key in ("requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms")
             }
+            pairs = zip(*(self.runs[(workload, conc, s)] for s in SYSTEMS), strict=True)
+            row["paired_requests_ratios"] = [  # each system's i-th run, next to each other
+                stats.ratio(*(stats.summarize([run]).requests_per_s for run in pair))
+                for pair in pairs
+            ]
             cells.append(row)
         out = {
             "settings": {
@@ -208,7 +223,7 @@ class Session:
                 "requests_per_cell": {
                     c: requests_per_cell(self.args, c) for c in self.args.concurrency
                 },
-                "repeats": REPEATS,
+                "repeats": self.args.repeats,
                 "together": together,
                 "vllm_version": vllm_version,
             },
@@ -241,6 +256,13 @@ def csv_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer: {text!r}")
+    return value
+
+
 def csv_workloads(text: str) -> tuple[str, ...]:
     names = tuple(v.strip() for v in text.split(",") if v.strip())
     unknown = [n for n in names if n not in workloads.WORKLOADS]
@@ -265,7 +287,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--requests",
         type=int,
         default=0,
-        help="requests per system per cell (default: max(32, 2 x concurrency))",
+        help="requests per system per cell (default: max(32, repeats x concurrency))",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=REPEATS,
+        help="runs per system per cell, alternating A B B A ... (default 2)",
     )
     parser.add_argument("--quick", action="store_true", help="concurrency 16, text and image")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -47,16 +47,20 @@ def render(rows: Sequence[Sequence[str]], left: int = 1) -> str:
 
 
 def cells_table(result: dict) -> str:
-    """Each cell: ``ours / vLLM = ratio`` for req/s, tok/s, TTFT p50 and ITL p50, then
-    ``ours / vLLM`` for the p99s and the failures."""
-    head = ["workload", "conc", *(c[0] for c in RATIO_COLUMNS + PAIR_COLUMNS), "failed"]
-    rows = [head]
+    """Each cell: ``ours / vLLM = ratio`` for req/s, tok/s, TTFT p50 and ITL p50, the range
+    of the req/s ratios of runs next to each other in time, then ``ours / vLLM`` for the p99s
+    and the failures."""
+    titles = [c[0] for c in RATIO_COLUMNS + PAIR_COLUMNS]
+    rows = [["workload", "conc", titles[0], "req/s pairs", *titles[1:], "failed"]]
     for cell in result["cells"]:
         ours, vllm = cell["ours"], cell["vllm"]
         row = [cell["workload"], str(cell["concurrency"])]
         for _, key, fmt in RATIO_COLUMNS:
             pair = f"{fmt.format(ours[key])} / {fmt.format(vllm[key])}"
             row.append(f"{pair} = {ratio(ours[key], vllm[key]):.2f}x")
+            if key == "requests_per_s":
+                pairs = cell["paired_requests_ratios"]
+                row.append(f"{min(pairs):.2f}-{max(pairs):.2f}x" if pairs else "-")
         row += [f"{fmt.format(ours[k])} / {fmt.format(vllm[k])}" for _, k, fmt in PAIR_COLUMNS]
         row.append(f"{ours['failures']}/{ours['requests']} / {vllm['failures']}/{vllm['requests']}")
         rows.append(row)

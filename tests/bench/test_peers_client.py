@@ -286,26 +286,47 @@ def test_summarize_of_only_failures_is_zero_not_an_error() -> None:
 def test_runs_alternate_abba() -> None:
     assert driver.run_order(0) == ("ours", "vllm", "vllm", "ours")
     assert driver.run_order(1) == ("vllm", "ours", "ours", "vllm")
+    assert driver.run_order(0, 3) == ("ours", "vllm", "vllm", "ours", "ours", "vllm")
+    assert driver.run_order(1, 1) == ("vllm", "ours")
+    assert driver.sequential_order(4) == ("vllm", "ours", "ours", "vllm") * 2
     assert driver.split(33, 2) == [17, 16]
 
 
 def test_requests_per_cell() -> None:
-    args = driver.argparse.Namespace(requests=0, quick=False)
+    args = driver.argparse.Namespace(requests=0, quick=False, repeats=2)
     assert driver.requests_per_cell(args, 1) == 32
     assert driver.requests_per_cell(args, 64) == 128
+    args.repeats = 4
+    assert driver.requests_per_cell(args, 16) == 64
     args.requests = 10
     assert driver.requests_per_cell(args, 64) == 10
+    args.requests = 3
+    assert driver.requests_per_cell(args, 64) == 4  # at least one per run
+
+
+def test_repeats_must_be_positive() -> None:
+    parser = driver.argparse.ArgumentParser()
+    driver.add_arguments(parser)
+    assert parser.parse_args([]).repeats == driver.REPEATS
+    assert parser.parse_args(["--repeats", "4"]).repeats == 4
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--repeats", "0"])
 
 
 def test_session_result_is_json_with_both_systems_per_cell(tmp_path) -> None:
     args = driver.argparse.Namespace(
-        requests=4, quick=True, workloads=("text", "image"), concurrency=(2,), dtype="auto"
+        requests=4,
+        quick=True,
+        workloads=("text", "image"),
+        concurrency=(2,),
+        dtype="auto",
+        repeats=2,
     )
     session = driver.Session(args, tmp_path, "float32", tmp_path, tmp_path / "python")
     for workload, conc in session.cells:
         for system in driver.SYSTEMS:
-            for _ in range(driver.REPEATS):
-                run = RunResult([ok(0.1, [0.01]), ok(0.2, [0.02])], wall_s=0.5, concurrency=conc)
+            for wall_s in (0.5, 1.0 if system == "ours" else 0.5):  # ours' second run slower
+                run = RunResult([ok(0.1, [0.01]), ok(0.2, [0.02])], wall_s=wall_s, concurrency=conc)
                 session.runs.setdefault((workload, conc, system), []).append(run)
     result = json.loads(json.dumps(session.result(True, "0.32.0", "")))
     assert [(c["workload"], c["concurrency"]) for c in result["cells"]] == [
@@ -314,9 +335,12 @@ def test_session_result_is_json_with_both_systems_per_cell(tmp_path) -> None:
     ]
     cell = result["cells"][0]
     assert cell["ours"]["requests"] == cell["vllm"]["requests"] == 4
-    assert cell["ratios"]["requests_per_s"] == pytest.approx(1.0)
+    assert cell["ratios"]["requests_per_s"] == pytest.approx(4 / 1.5 / (4 / 1.0))
+    assert cell["paired_requests_ratios"] == pytest.approx([1.0, 0.5])  # run by run
+    assert result["settings"]["repeats"] == 2
     assert "aiperf" not in result
-    assert "text" in table.format_result(result)
+    text = table.format_result(result)
+    assert "text" in text and "0.50-1.00x" in text
 
 
 def summary(rps: float, failures: int = 0) -> dict:
@@ -355,6 +379,7 @@ def test_table_shows_both_systems_and_ratios() -> None:
                 "concurrency": 16,
                 "ours": summary(8.0),
                 "vllm": summary(4.0, failures=1),
+                "paired_requests_ratios": [1.8, 2.2],
             }
         ],
         "aiperf": {
@@ -370,7 +395,7 @@ def test_table_shows_both_systems_and_ratios() -> None:
         },
     }
     text = table.format_result(result)
-    assert "8.00 / 4.00 = 2.00x" in text
+    assert "8.00 / 4.00 = 2.00x" in text and "1.80-2.20x" in text
     assert "0/8 / 1/8" in text and "HTTP 500: boom" in text
     assert "aiperf -> ours" in text and "our client: ours/vLLM" in text
     assert "2.00x" in text.splitlines()[-1]
