@@ -50,9 +50,8 @@ class EncoderConfig:
         "auto",
         help="kernels of the vision tower's RMSNorms and rotary embedding and of patch "
         "cutting: auto (native on a CPU in bf16 where they build, else torch) | torch (torch's "
-        "ops, the reference) | "
-        "native (fused C kernels built at first use with the system's C compiler; an error "
-        "where they cannot run)",
+        "ops, the reference) | native (fused C kernels built at first use with the system's C "
+        "compiler; an error where they cannot run)",
     )
     vision_attention: str = field(
         "grouped",
