@@ -26,7 +26,7 @@ The library is built once per source, compiler and CPU with the system's C compi
 load half a file. ``load_native_kernels`` returns it, or None and the reason (no compiler, a
 failed build, not Linux on x86-64 or arm64): callers then keep torch's ops and log why.
 ``resolve_cpu_kernels`` turns a service's ``cpu_kernels`` setting into the kernels to use
-(``auto``: native on a CPU in bf16 where they build, else torch).
+(``auto``: native on a CPU where they build, else torch).
 
 Assumes: tensors on the CPU in bfloat16 or float32 whose last dimension is contiguous (the
 wrappers copy other layouts once); anything else goes to torch's ops (``supports``).
@@ -313,10 +313,10 @@ def resolve_cpu_kernels(
     choice: str, device: torch.device, dtype: torch.dtype, what: str
 ) -> NativeKernels | None:
     """The native kernels for ``what`` (a service's model) under its ``cpu_kernels``
-    setting, or None for torch's ops; logs the choice and why. ``auto`` takes them on a CPU in
-    bf16 where they build (float32 keeps torch's ops, the reference the correctness tests
-    compare with bit for bit); ``native`` on a CPU in any dtype they have, else it raises
-    ``RuntimeError`` naming why not."""
+    setting, or None for torch's ops (the reference: ``torch``); logs the choice and why.
+    ``auto`` takes them on a CPU in a dtype they have where they build, else torch's ops;
+    ``native`` the same, except that where they cannot run it raises ``RuntimeError`` naming
+    why not."""
     if choice not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels {choice!r}: expected one of {CPU_KERNELS}")
     why = ""
@@ -326,8 +326,6 @@ def resolve_cpu_kernels(
         why = f"on {device}"
     elif dtype not in DTYPE_SUFFIX:
         why = f"no native kernels for {dtype}"
-    elif choice == "auto" and dtype != torch.bfloat16:
-        why = f"auto keeps torch's ops in {dtype}"
     if why:
         if choice == "native":
             raise RuntimeError(f"cpu_kernels native: {why}")

@@ -43,13 +43,13 @@ class EncoderConfig:
     linear_kernel: str = field(
         "auto",
         help="kernel of the vision tower's linear layers: auto (onednn where it runs, else "
-        "plain) | plain (F.linear, the reference) | onednn (weights prepacked once; CPU bf16 "
-        "only, else it falls back to plain and logs why)",
+        "plain) | plain (F.linear, the reference) | onednn (weights prepacked once; CPU fp32 or "
+        "bf16 only, else it falls back to plain and logs why)",
     )
     cpu_kernels: str = field(
         "auto",
         help="kernels of the vision tower's RMSNorms and rotary embedding and of patch "
-        "cutting: auto (native on a CPU in bf16 where they build, else torch) | torch (torch's "
+        "cutting: auto (native on a CPU where they build, else torch) | torch (torch's "
         "ops, the reference) | native (fused C kernels built at first use with the system's C "
         "compiler; an error where they cannot run)",
     )

@@ -31,14 +31,14 @@ class LanguageConfig:
     linear_kernel: str = field(
         "auto",
         help="kernel of the linear layers: auto (onednn where it runs, else plain) | plain "
-        "(F.linear, the reference) | onednn (weights prepacked once; CPU bf16 only, else it "
-        "falls back to plain and logs why)",
+        "(F.linear, the reference) | onednn (weights prepacked once; CPU fp32 or bf16 "
+        "only, else it falls back to plain and logs why)",
     )
     cpu_kernels: str = field(
         "auto",
         help="kernels of the RMSNorms, the rotary embedding with its KV write and (GQA groups "
         "of up to 4 query heads) decode attention: "
-        "auto (native on a CPU in bf16 where they build, else torch) | torch (torch's ops, the "
+        "auto (native on a CPU where they build, else torch) | torch (torch's ops, the "
         "reference) | native (C kernels built at first use with the system's C compiler; an "
         "error where they cannot run)",
     )

@@ -149,13 +149,15 @@ def test_transformers_rms_norms_are_swapped_per_instance():
     assert torch.equal(block[0](x.float()), Qwen2_5_VLRMSNorm.forward(block[0], x.float()))
 
 
-def test_auto_takes_native_on_a_cpu_in_bf16_only(caplog):
+def test_auto_takes_native_on_a_cpu_in_the_dtypes_they_have(caplog):
     with caplog.at_level(logging.INFO, logger="common.native_kernels"):
         assert resolve_cpu_kernels("auto", CPU, torch.bfloat16, "m") is KERNELS
-        assert resolve_cpu_kernels("auto", CPU, torch.float32, "m") is None
+        assert resolve_cpu_kernels("auto", CPU, torch.float32, "m") is KERNELS
+        assert resolve_cpu_kernels("auto", CPU, torch.float16, "m") is None
         assert resolve_cpu_kernels("auto", torch.device("cuda"), torch.bfloat16, "m") is None
         assert resolve_cpu_kernels("torch", CPU, torch.bfloat16, "m") is None
-    assert "auto keeps torch's ops in torch.float32" in caplog.text
+    assert "m: CPU kernels: torch (no native kernels for torch.float16)" in caplog.text
+    assert "m: CPU kernels: torch (as configured)" in caplog.text
     assert resolve_cpu_kernels("native", CPU, torch.float32, "m") is KERNELS
     with pytest.raises(RuntimeError, match="on cuda"):
         resolve_cpu_kernels("native", torch.device("cuda"), torch.bfloat16, "m")

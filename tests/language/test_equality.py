@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from common.linear_kernels import onednn_usable
 from common.native_kernels import load_native_kernels
 from services.language.engine.sampling import SamplingParams
 from tests.conftest import ARCHS
 from tests.language.conftest import generate, make_image, run_to_completion, tokens_of
 
 PROMPT = "describe this picture in detail"
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -101,20 +104,35 @@ def test_preemption_under_slot_pressure(h):
     assert engine.cache_manager.num_used == info.evictable_size
 
 
-def test_native_cpu_kernelss_in_float32(h):
-    """The native kernels forced on in float32 (``auto`` keeps torch's ops there): RMSNorm (a
-    row's sum of squares in another order) and, where the GQA group fits it, decode attention
-    read in the pool in place move values by ~1e-7, and the greedy tokens stay
-    transformers'."""
-    kernels, why = load_native_kernels()
-    if kernels is None:
-        pytest.skip(f"native kernels: {why}")
-    engine = h.engine(cpu_kernels="native", chunk_size=32)
+def test_fast_cpu_kernels_are_the_default_in_float32(h):
+    """``auto`` in float32 on a CPU: linears prepacked for oneDNN (products summed in another
+    order than MKL's), the native RMSNorm (a row's sum of squares in another order) and, where
+    the GQA group fits it, decode attention read in the pool in place: values move by ~1e-7,
+    and the greedy tokens stay transformers' (every test above runs this path)."""
+    kernels, _ = load_native_kernels()
+    engine = h.engine()
     mc = engine.model_config
-    assert engine.cpu_kernels == "native"
-    assert (engine.runner.decode_kernels is not None) == kernels.decode_attention_fits(
-        mc.num_heads, mc.num_kv_heads, mc.head_dim
-    )
-    for prompt, images in (("hello there, who are you?", []), (PROMPT, [make_image(64, 48, 1)])):
-        case = h.case(prompt, images, 12)
-        assert generate(engine, case.inputs, 12)[0] == case.expected
+    assert engine.linear_kernel == ("onednn" if onednn_usable(CPU, torch.float32)[0] else "plain")
+    assert engine.cpu_kernels == ("torch" if kernels is None else "native")
+    if kernels is not None:
+        assert (engine.runner.decode_kernels is not None) == kernels.decode_attention_fits(
+            mc.num_heads, mc.num_kv_heads, mc.head_dim
+        )
+
+
+@pytest.mark.parametrize("chunk_size", [7, 512])
+def test_reference_kernels_in_float32(h, chunk_size):
+    """The reference path (``F.linear`` on the loaded weights, torch's ops) still gives
+    transformers' greedy tokens, in small chunks that cut images and in one."""
+    engine = h.engine(linear_kernel="plain", cpu_kernels="torch", chunk_size=chunk_size)
+    assert (engine.linear_kernel, engine.cpu_kernels) == ("plain", "torch")
+    assert engine.runner.decode_kernels is None
+    cases = [
+        h.case("hello there, who are you?", [], 12),
+        h.case(PROMPT, [make_image(64, 48, 1), make_image(100, 60, 2)], 12),
+    ]
+    for i, case in enumerate(cases):
+        engine.add_request(f"ref{i}", SamplingParams(max_new_tokens=12), case.inputs)
+    outputs = run_to_completion(engine)
+    for i, case in enumerate(cases):
+        assert tokens_of(outputs[f"ref{i}"]) == case.expected
