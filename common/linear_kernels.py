@@ -5,7 +5,8 @@
 * ``onednn``: oneDNN's matmul with each weight reordered ("prepacked") once into the blocked
   layout the CPU's vector and matrix units read (AVX-512, AVX-512 BF16, AMX tiles), in bf16 or
   fp32. In bf16 a plain ``linear`` reorders the weight again on every call; prepacked it runs
-  ~1.2-2x faster, with the same results (tested bit for bit against ``plain``). In fp32 the
+  ~1.2-2x faster, with the same results where the CPU has native bf16 (tested bit for bit
+  against ``plain``; where bf16 is emulated the two accumulate in other orders). In fp32 the
   plain path is MKL's GEMM, slow at decode-sized batches: prepacked, 4-32 rows run 2-3.3x
   faster (Cascade Lake, 2 cores: the demo LM head at 16 rows 36 -> 11 ms, Qwen2.5-VL-3B's
   down projection 12.7 -> 6.4 ms), one row 0.85-1.2x, prefill-sized batches the same. oneDNN
