@@ -6,9 +6,10 @@ output is one dot product of a whole patch with each filter, i.e. ``patches @ W.
 convolution path does not see that and runs 3.5x (fp32) to 30x (bf16) slower than the same
 product as a linear layer (measured on 1,024 patches, bench widths: 223 ms vs 7 ms in bf16).
 
-Used with the fast kernel only (``linear_kernel`` onednn): the product sums in another order
-than the convolution, so it is close to the reference (within bf16 rounding) but not bit-equal;
-the plain kernel keeps transformers' convolution, the path the fp32 equality tests check.
+Used with the fast kernel only (``linear_kernel`` onednn, fp32 or bf16): the product sums in
+another order than the convolution, so it is close to the reference (within the dtype's
+rounding) but not bit-equal; the plain kernel keeps transformers' convolution, the path the
+bit-for-bit golden tests check.
 """
 
 from __future__ import annotations
