@@ -12,8 +12,8 @@ On a CPU with native bf16 the ``onednn`` kernel computes exactly what ``plain`` 
 engines on the two kernels must agree token for token and in every log-probability. Where bf16
 is emulated (no ``avx512_bf16`` or AMX: a Cascade Lake, say) oneDNN's prepacked and plain paths
 accumulate in different orders, and the prepacked engine is held to the reference's bounds
-like the others. The native RMSNorm (``auto``'s choice in
-bf16 on a CPU where it builds) sums a row in another order: it is held to the reference's bounds.
+like the others. The native RMSNorm (``auto``'s choice
+on a CPU where it builds) sums a row in another order: it is held to the reference's bounds.
 """
 
 from __future__ import annotations
