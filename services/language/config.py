@@ -65,6 +65,13 @@ class LanguageConfig:
         help="prefill a prompt's first tokens as their chunks land, while the rest is still "
         "encoded or on the wire (off: wait for the whole prompt)",
     )
+    partial_prefill_while_decoding: bool = field(
+        False,
+        help="with prefill_while_receiving, prefill the arrived part of a prompt in steps that "
+        "also decode other requests (off: while any request decodes, a partial prompt waits "
+        "until all of it, or a whole chunk of it, arrived: each step carrying prefill tokens "
+        "delays every decoding stream's next token)",
+    )
     max_running_requests: int = field(64, help="most requests prefilling or decoding at once")
     cuda_graphs: bool = field(
         True,

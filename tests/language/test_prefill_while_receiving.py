@@ -127,3 +127,44 @@ def test_a_chunk_out_of_order_fails_the_request_alone(h):
     out = engine.deliver_chunk(31, chunks[2])[0]
     assert out.finish_reason == FinishReason.ERROR and "chunk at token" in out.error
     assert engine.receiving == {} and not engine.has_work()
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["whole-chunks", "partial"])
+def test_a_partial_prompt_waits_for_a_whole_chunk_while_others_decode(h, partial):
+    """While another request decodes, the arrived part of a prompt is prefilled once a whole
+    chunk of it is ready, not piece by piece (each step with prefill tokens delays the
+    decoding stream); ``partial_prefill_while_decoding`` prefills it as it lands. Greedy
+    tokens of both requests equal transformers' either way, and nothing is left held."""
+    talk = h.case("count from one to twenty", [], 24)
+    case = h.case(PROMPT, [make_image(160, 120, 1), make_image(200, 140, 2)], 8)
+    chunk, first, second = 24, 20, 60  # first: less than a chunk, past the template prefix
+    assert len(case.inputs) > second
+    engine = h.engine(chunk_size=chunk, partial_prefill_while_decoding=partial)
+    engine.add_request("talk", SamplingParams(max_new_tokens=24), room=41)
+    engine.deliver_inputs(41, talk.inputs)
+    outputs = []
+    while engine.requests["talk"].status != RequestStatus.DECODE:
+        outputs += engine.step()
+    pieces = split(case.inputs, engine.model_config.vocab_size, [first, second])
+    engine.add_request("late", SamplingParams(max_new_tokens=8), room=42)
+    engine.deliver_chunk(42, pieces[0])  # less than a chunk
+    outputs += engine.step() + engine.step()
+    late = engine.requests["late"]
+    assert engine.requests["talk"].status == RequestStatus.DECODE  # still decoding
+    if partial:
+        assert late.status == RequestStatus.PREFILL and late.num_computed == first
+    else:
+        assert late.status == RequestStatus.WAITING  # not admitted: it holds nothing yet
+    engine.deliver_chunk(42, pieces[1])  # now more than a whole chunk is ready
+    outputs += engine.step()
+    assert late.status == RequestStatus.PREFILL
+    if partial:
+        assert late.num_computed == first + chunk
+    else:  # a whole chunk after what the radix cache matched (the shared template prefix)
+        assert chunk <= late.num_computed <= 2 * chunk
+    engine.deliver_inputs(42, case.inputs)
+    outputs += [o for outs in run_to_completion(engine).values() for o in outs]
+    assert tokens_of([o for o in outputs if o.request_id == "talk"]) == talk.expected
+    assert tokens_of([o for o in outputs if o.request_id == "late"]) == case.expected
+    info = engine.cache_manager.cache.size_info()
+    assert info.protected_size == 0 and engine.cache_manager.num_used == info.evictable_size

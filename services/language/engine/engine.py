@@ -98,7 +98,10 @@ class LanguageEngine:
         )
         self.cache_manager = CacheManager(SlotAllocator(plan.num_slots), RadixCache())
         self.scheduler = Scheduler(
-            self.cache_manager, config.chunk_size, config.max_running_requests
+            self.cache_manager,
+            config.chunk_size,
+            config.max_running_requests,
+            config.partial_prefill_while_decoding,
         )
         self.runner = ModelRunner(self.model, kv_pool, self.device)
         if native is not None and native.decode_attention_fits(

@@ -12,7 +12,11 @@ Policy, in order:
 
 A prompt still arriving (its room's chunks land one by one) is prefilled as far as it arrived:
 it is admitted once it has a token the radix cache does not cover, and a PREFILL request that
-computed everything that arrived waits (scheduling nothing) for its next chunk.
+computed everything that arrived waits (scheduling nothing) for its next chunk. While other
+requests decode, such a partial prompt is prefilled only once a whole chunk of it is ready (or
+all of it arrived), unless ``partial_prefill_while_decoding``: every step that carries prefill
+tokens delays each decoding stream's next token, and a prompt shipped image by image would
+otherwise put a piece of itself into several steps instead of one.
 """
 
 from __future__ import annotations
@@ -47,10 +51,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache_manager: CacheManager, chunk_size: int, max_running: int) -> None:
+    def __init__(
+        self,
+        cache_manager: CacheManager,
+        chunk_size: int,
+        max_running: int,
+        partial_prefill_while_decoding: bool = False,
+    ) -> None:
         self.cm = cache_manager
         self.chunk_size = chunk_size
         self.max_running = max_running
+        self.partial_prefill_while_decoding = partial_prefill_while_decoding
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # lifetime count
@@ -80,13 +91,18 @@ class Scheduler:
         for req in list(self.running):
             if req.status == RequestStatus.DECODE and req in self.running:
                 self._schedule_tokens(req, 1, out, scheduled)
+        decoding = bool(out.chunks)
         budget = self.chunk_size
         for req in list(self.running):
-            if req.status == RequestStatus.PREFILL and budget > 0 and req in self.running:
+            if req.status != RequestStatus.PREFILL or budget <= 0 or req not in self.running:
+                continue
+            if self._prefill_now(req, decoding):
                 budget -= self._schedule_tokens(req, budget, out, scheduled)
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
+            if not self._prefill_now(req, decoding):
+                continue  # a partial prompt while others decode: it waits for more of itself
             admitted = self._admit(req)
             if admitted is None:
                 continue  # its prompt is still arriving and nothing of it is to compute yet
@@ -96,6 +112,13 @@ class Scheduler:
             self.running.append(req)
             budget -= self._schedule_tokens(req, budget, out, scheduled)
         return out
+
+    def _prefill_now(self, req: Request, decoding: bool) -> bool:
+        """Whether to prefill ``req`` in this step: always when the step decodes nothing, else
+        when its prompt is complete or a whole chunk of it is ready (see the module doc)."""
+        if not decoding or self.partial_prefill_while_decoding or req.prompt_complete:
+            return True
+        return req.num_ready_tokens - req.num_computed >= self.chunk_size
 
     def _schedule_tokens(
         self, req: Request, max_tokens: int, out: SchedulerOutput, scheduled: set[int]
