@@ -67,10 +67,10 @@ class LanguageConfig:
     )
     partial_prefill_while_decoding: bool = field(
         False,
-        help="with prefill_while_receiving, prefill the arrived part of a prompt in steps that "
-        "also decode other requests (off: while any request decodes, a partial prompt waits "
-        "until all of it, or a whole chunk of it, arrived: each step carrying prefill tokens "
-        "delays every decoding stream's next token)",
+        help="with prefill_while_receiving, prefill the arrived part of a prompt in any step "
+        "(off: it stays out of steps that would otherwise only decode other requests until all "
+        "of it, or a whole chunk of it, arrived: each step carrying prefill tokens delays every "
+        "decoding stream's next token)",
     )
     max_running_requests: int = field(64, help="most requests prefilling or decoding at once")
     cuda_graphs: bool = field(

@@ -129,6 +129,16 @@ def test_a_chunk_out_of_order_fails_the_request_alone(h):
     assert engine.receiving == {} and not engine.has_work()
 
 
+def start_decoding(engine, rid: str, inputs: PromptInputs, room: int) -> list:
+    """Add a request with its whole prompt and step until it decodes; returns the outputs."""
+    engine.add_request(rid, SamplingParams(max_new_tokens=24), room=room)
+    engine.deliver_inputs(room, inputs)
+    outputs = []
+    while engine.requests[rid].status != RequestStatus.DECODE:
+        outputs += engine.step()
+    return outputs
+
+
 @pytest.mark.parametrize("partial", [False, True], ids=["whole-chunks", "partial"])
 def test_a_partial_prompt_waits_for_a_whole_chunk_while_others_decode(h, partial):
     """While another request decodes, the arrived part of a prompt is prefilled once a whole
@@ -140,11 +150,7 @@ def test_a_partial_prompt_waits_for_a_whole_chunk_while_others_decode(h, partial
     chunk, first, second = 24, 20, 60  # first: less than a chunk, past the template prefix
     assert len(case.inputs) > second
     engine = h.engine(chunk_size=chunk, partial_prefill_while_decoding=partial)
-    engine.add_request("talk", SamplingParams(max_new_tokens=24), room=41)
-    engine.deliver_inputs(41, talk.inputs)
-    outputs = []
-    while engine.requests["talk"].status != RequestStatus.DECODE:
-        outputs += engine.step()
+    outputs = start_decoding(engine, "talk", talk.inputs, room=41)
     pieces = split(case.inputs, engine.model_config.vocab_size, [first, second])
     engine.add_request("late", SamplingParams(max_new_tokens=8), room=42)
     engine.deliver_chunk(42, pieces[0])  # less than a chunk
@@ -168,3 +174,30 @@ def test_a_partial_prompt_waits_for_a_whole_chunk_while_others_decode(h, partial
     assert tokens_of([o for o in outputs if o.request_id == "late"]) == case.expected
     info = engine.cache_manager.cache.size_info()
     assert info.protected_size == 0 and engine.cache_manager.num_used == info.evictable_size
+
+
+def test_a_partial_prompt_rides_along_with_a_whole_one_while_others_decode(h):
+    """A step that prefills a complete prompt beside the decodes carries prefill tokens anyway:
+    a partial prompt is prefilled in what is left of its budget. Equal greedy tokens."""
+    talk = h.case("count from one to twenty", [], 24)
+    other = h.case("name three colours", [], 8)
+    case = h.case(PROMPT, [make_image(160, 120, 1), make_image(200, 140, 2)], 8)
+    first = 20  # less than a chunk, past the template prefix
+    engine = h.engine(chunk_size=128)
+    outputs = start_decoding(engine, "talk", talk.inputs, room=51)
+    engine.add_request("late", SamplingParams(max_new_tokens=8), room=52)
+    engine.deliver_chunk(52, split(case.inputs, engine.model_config.vocab_size, [first])[0])
+    engine.add_request("other", SamplingParams(max_new_tokens=8), room=53)
+    engine.deliver_inputs(53, other.inputs)
+    outputs += engine.step()
+    assert engine.requests["talk"].status == RequestStatus.DECODE
+    assert engine.requests["other"].status == RequestStatus.DECODE  # prefilled whole
+    assert engine.requests["late"].num_computed == first  # rode along
+    engine.deliver_inputs(52, case.inputs)
+    outputs += [o for outs in run_to_completion(engine).values() for o in outs]
+    for rid, expected in (
+        ("talk", talk.expected),
+        ("other", other.expected),
+        ("late", case.expected),
+    ):
+        assert tokens_of([o for o in outputs if o.request_id == rid]) == expected

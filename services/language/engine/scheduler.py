@@ -12,11 +12,12 @@ Policy, in order:
 
 A prompt still arriving (its room's chunks land one by one) is prefilled as far as it arrived:
 it is admitted once it has a token the radix cache does not cover, and a PREFILL request that
-computed everything that arrived waits (scheduling nothing) for its next chunk. While other
-requests decode, such a partial prompt is prefilled only once a whole chunk of it is ready (or
-all of it arrived), unless ``partial_prefill_while_decoding``: every step that carries prefill
-tokens delays each decoding stream's next token, and a prompt shipped image by image would
-otherwise put a piece of itself into several steps instead of one.
+computed everything that arrived waits (scheduling nothing) for its next chunk. A partial prompt
+is kept out of a step that would otherwise only decode (``hold_partial``) until a whole chunk
+of it is ready or all of it arrived, unless ``partial_prefill_while_decoding``: every step that
+carries prefill tokens delays each decoding stream's next token, and a prompt shipped image by
+image would otherwise put a piece of itself into several steps instead of one. In a step that
+prefills a complete prompt anyway, partial ones ride along in what is left of the budget.
 """
 
 from __future__ import annotations
@@ -91,17 +92,21 @@ class Scheduler:
         for req in list(self.running):
             if req.status == RequestStatus.DECODE and req in self.running:
                 self._schedule_tokens(req, 1, out, scheduled)
-        decoding = bool(out.chunks)
+        hold_partial = (
+            bool(out.chunks)  # the step decodes
+            and not self.partial_prefill_while_decoding
+            and not self._complete_prompt_pending()
+        )
         budget = self.chunk_size
         for req in list(self.running):
             if req.status != RequestStatus.PREFILL or budget <= 0 or req not in self.running:
                 continue
-            if self._prefill_now(req, decoding):
+            if self._prefill_now(req, hold_partial):
                 budget -= self._schedule_tokens(req, budget, out, scheduled)
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
-            if not self._prefill_now(req, decoding):
+            if not self._prefill_now(req, hold_partial):
                 continue  # a partial prompt while others decode: it waits for more of itself
             admitted = self._admit(req)
             if admitted is None:
@@ -113,10 +118,17 @@ class Scheduler:
             budget -= self._schedule_tokens(req, budget, out, scheduled)
         return out
 
-    def _prefill_now(self, req: Request, decoding: bool) -> bool:
-        """Whether to prefill ``req`` in this step: always when the step decodes nothing, else
-        when its prompt is complete or a whole chunk of it is ready (see the module doc)."""
-        if not decoding or self.partial_prefill_while_decoding or req.prompt_complete:
+    def _complete_prompt_pending(self) -> bool:
+        """Whether a whole prompt waits for (more) prefill: this step carries prefill tokens."""
+        running = (r for r in self.running if r.status == RequestStatus.PREFILL)
+        return any(r.prompt_complete for r in running) or any(
+            r.prompt_complete for r in self.waiting
+        )
+
+    def _prefill_now(self, req: Request, hold_partial: bool) -> bool:
+        """Whether to prefill ``req`` in this step: unless ``hold_partial`` (see the module
+        doc), or its prompt is complete, or a whole chunk of it is ready."""
+        if not hold_partial or req.prompt_complete:
             return True
         return req.num_ready_tokens - req.num_computed >= self.chunk_size
 
