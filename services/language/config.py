@@ -59,7 +59,7 @@ class LanguageConfig:
         help="longest prompt + completion of one request (0 = the KV pool's capacity, at most "
         "the model's max_position_embeddings); clamped to the KV pool's capacity",
     )
-    chunk_size: int = field(512, help="most prefill tokens per step (chunked prefill)")
+    chunk_size: int = field(2048, help="most prefill tokens per step (chunked prefill)")
     prefill_while_receiving: bool = field(
         True,
         help="prefill a prompt's first tokens as their chunks land, while the rest is still "
