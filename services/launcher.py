@@ -123,6 +123,11 @@ def http_hints(url: str, max_tokens: int) -> str:
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
+    """The first SIGTERM or Ctrl-C ends the wait; later ones are ignored from here on, so that
+    none lands while the first unwinds (inside a lock's wait it would leave the lock released
+    twice: `timeout` signals the whole process group, and `make` passes it on as well)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -143,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (a supervisor, `kill`) stops the stack like Ctrl-C does: the services run in
     # sessions of their own, so without this they would outlive us.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         stack = start_local_stack(
             args.model_path,
