@@ -52,7 +52,10 @@ from common.models.tiny import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_kernels.c")
+# built into one library: the element-wise kernels and decode attention, prefill attention
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("native_kernels.c", "native_prefill_attention.c")
+)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 CPU_KERNELS = ("auto", "torch", "native")
 DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -68,7 +71,14 @@ SIGNATURES = {  # C function (without the dtype suffix) -> argument types
     "decode_attention": (_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, *(_i64,) * 5, _f32, _int),
     "cut_patches": (_ptr, *(_i64,) * 7, _ptr, _ptr, _int),
 }
-RETURNS = {"decode_attention": ctypes.c_int}
+# kernels in bf16 only (the function's name ends in _bf16 alone)
+BF16_SIGNATURES = {
+    "prefill_attention": (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, *(_i64,) * 6, _f32, _int),
+}
+RETURNS = {"decode_attention": ctypes.c_int, "prefill_attention": ctypes.c_int}
+# prefill attention: the C kernel's limits (head_dim a multiple of 32 up to 256, at most 32 query
+# heads per KV head); it runs where the CPU has AVX-512 BF16 (``prefill_attention_fits``)
+PREFILL_DIM_STEP, PREFILL_MAX_DIM, PREFILL_MAX_GROUP = 32, 256, 32
 # decode attention: the C kernel's limits, and the largest GQA group (query heads per KV head)
 # where it beats gathering the keys for SDPA. Measured on 2 cores, bf16, 16 requests: group 2
 # (head_dim 64 or 128) 1.5-3x faster from 45 to 1,100 keys and 2-3x for one 8,700-key request;
@@ -107,9 +117,9 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     cc = cc or os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; `make setup` installs gcc)")
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES]
     parts = [" ".join(FLAGS), _compiler_version(cc), _cpu_identity()]
-    key = hashlib.sha256(b"\0".join([source, *(p.encode() for p in parts)])).hexdigest()[:20]
+    key = hashlib.sha256(b"\0".join([*sources, *(p.encode() for p in parts)])).hexdigest()[:20]
     out_dir = out_dir or cache_dir()
     target = out_dir / f"native_kernels-{key}.so"
     if target.exists():
@@ -117,7 +127,7 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
         built = Path(tmp) / target.name
-        cmd = [cc, *FLAGS, "-o", str(built), str(SOURCE), "-lm"]
+        cmd = [cc, *FLAGS, "-o", str(built), *(str(path) for path in SOURCES), "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -140,6 +150,11 @@ class NativeKernels:
             for suffix in DTYPE_SUFFIX.values():
                 fn = getattr(self._lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, RETURNS.get(name)
+        for name, argtypes in BF16_SIGNATURES.items():
+            fn = getattr(self._lib, f"{name}_bf16")
+            fn.argtypes, fn.restype = argtypes, RETURNS.get(name)
+        # whether this build has the AVX-512 BF16 prefill attention (else it answers -1)
+        self.has_prefill_attention = bool(self._lib.prefill_attention_available())
 
     def _fn(self, name: str, dtype: torch.dtype):
         return getattr(self._lib, f"{name}_{DTYPE_SUFFIX[dtype]}")
@@ -278,6 +293,46 @@ class NativeKernels:
             )
         if code:
             raise MemoryError("decode_attention: no memory for its score buffers")
+        return out
+
+    def prefill_attention_fits(
+        self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+    ) -> bool:
+        """True where ``prefill_attention`` runs for this model: bf16 on a CPU with AVX-512
+        BF16, a head_dim and GQA group within the kernel's limits."""
+        group = heads // kv_heads if kv_heads else 0
+        return (
+            self.has_prefill_attention
+            and dtype == torch.bfloat16
+            and group * kv_heads == heads
+            and 0 < group <= PREFILL_MAX_GROUP
+            and head_dim % PREFILL_DIM_STEP == 0
+            and 0 < head_dim <= PREFILL_MAX_DIM
+        )
+
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of a prefill chunk written into ``out``: ``q`` and ``out`` ``[q_len,
+        heads, head_dim]`` (bf16; rows may be strided), ``k`` / ``v`` ``[kv_len, kv_heads,
+        head_dim]``, the chunk's own keys last: query ``i`` sees keys ``0 .. kv_len - q_len +
+        i``. Returns ``out``. Only where ``prefill_attention_fits``."""
+        q, k, v = _heads(q), _heads(k), _heads(v)
+        if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
+            raise ValueError("prefill_attention writes rows of contiguous heads")
+        (q_len, heads, dim), (kv_len, kv_heads) = q.shape, k.shape[:2]
+        code = self._lib.prefill_attention_bf16(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            out.data_ptr(), out.stride(0), q_len, kv_len, heads, kv_heads, dim, scale,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code == -1:
+            raise ValueError(
+                f"prefill_attention: {q_len} queries of {heads} heads over {kv_len} keys of "
+                f"{kv_heads} KV heads of {dim} do not fit the kernel (or it is not built here)"
+            )
+        if code:
+            raise MemoryError("prefill_attention: no memory for its packed keys")
         return out
 
 

@@ -183,7 +183,7 @@ def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch, tmp
 def test_a_failed_build_names_the_compiler_error(tmp_path, monkeypatch):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(native_kernels, "SOURCE", broken)
+    monkeypatch.setattr(native_kernels, "SOURCES", (*native_kernels.SOURCES[:1], broken))
     with pytest.raises(RuntimeError, match="building the native kernels failed"):
         build(out_dir=tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.so"))  # nothing half-written left to load
@@ -281,3 +281,92 @@ def test_decode_attention_fits_small_gqa_groups_only():
             torch.zeros(1, 40, 64), torch.zeros(4, 2, 64), torch.zeros(4, 2, 64),
             torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), 1, 1.0,
         )  # fmt: skip
+
+
+PREFILL = KERNELS is not None and KERNELS.has_prefill_attention
+requires_prefill = pytest.mark.skipif(not PREFILL, reason="no AVX-512 BF16 prefill attention here")
+
+
+def reference_prefill_attention(q, k, v, scale):
+    """Causal attention of ``q`` [q_len, heads, dim] over ``k`` / ``v`` [kv_len, kv_heads, dim]
+    (the prefix first) in float32: query i sees keys 0 .. kv_len - q_len + i."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    heads_first = (t.float().transpose(0, 1)[None] for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *heads_first, attn_mask=visible, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def sdpa_bf16(q, k, v, scale):
+    """torch's SDPA on the bf16 tensors: what the engine runs without the kernel."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=visible, scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out[0].transpose(0, 1)
+
+
+@requires_prefill
+@pytest.mark.parametrize(
+    "q_len,kv_len,heads,kv_heads,dim",
+    [
+        (1, 1, 4, 2, 64),  # one token
+        (5, 5, 4, 2, 32),  # shorter than a key block
+        (37, 100, 4, 2, 64),  # after a 63-key prefix, tails in both
+        (70, 70, 16, 2, 128),  # a group of 8 (Qwen2.5-VL-3B)
+        (33, 33, 28, 4, 128),  # a group of 7 (Qwen2.5-VL-7B): rows not a multiple of 4
+        (200, 1300, 4, 4, 64),  # no GQA, a long prefix
+        (64, 64, 2, 2, 256),  # the widest head
+    ],
+)
+def test_prefill_attention_is_as_accurate_as_sdpa(q_len, kv_len, heads, kv_heads, dim):
+    """Against float32 attention on the same bf16 inputs, the kernel's error is SDPA's in bf16:
+    the largest within one bf16 step of SDPA's largest, the mean within 5% of SDPA's."""
+    gen = torch.Generator().manual_seed(q_len * kv_len + dim)
+    q = (3 * torch.randn(q_len, heads, dim, generator=gen)).bfloat16()
+    k = (3 * torch.randn(kv_len, kv_heads, dim, generator=gen)).bfloat16()
+    v = torch.randn(kv_len, kv_heads, dim, generator=gen).bfloat16()
+    scale = dim**-0.5
+    out = torch.empty_like(q)
+    assert KERNELS.prefill_attention(q, k, v, out, scale) is out
+    want = reference_prefill_attention(q, k, v, scale)
+    ours = (out.float() - want).abs()
+    theirs = (sdpa_bf16(q, k, v, scale).float() - want).abs()
+    assert ours.max() <= theirs.max() + 2**-8 * want.abs().max()
+    assert ours.mean() <= 1.05 * theirs.mean()
+
+
+@requires_prefill
+def test_prefill_attention_reads_and_writes_rows_of_wider_tensors():
+    """As the engine calls it: queries and outputs are rows of the step's flat batch, keys a
+    slice of the KV pool; other rows are left alone."""
+    gen = torch.Generator().manual_seed(7)
+    q_all = torch.randn(50, 4, 64, generator=gen).bfloat16()
+    pool_k = torch.randn(300, 2, 64, generator=gen).bfloat16()
+    pool_v = torch.randn(300, 2, 64, generator=gen).bfloat16()
+    out_all = torch.zeros(50, 4, 64, dtype=torch.bfloat16)
+    q, k, v = q_all[10:30], pool_k[100:140], pool_v[100:140]
+    KERNELS.prefill_attention(q, k, v, out_all[10:30], 0.125)
+    want = reference_prefill_attention(q, k, v, 0.125)
+    torch.testing.assert_close(out_all[10:30].float(), want, rtol=0, atol=2e-2)
+    assert not out_all[:10].any() and not out_all[30:].any()
+
+
+def test_prefill_attention_fits_bf16_within_the_kernels_limits():
+    fits = KERNELS.prefill_attention_fits
+    bf16 = torch.bfloat16
+    if not PREFILL:  # this build has no AVX-512 BF16: never
+        assert not fits(bf16, 4, 2, 64)
+        return
+    assert fits(bf16, 4, 2, 64) and fits(bf16, 16, 2, 128) and fits(bf16, 28, 4, 128)
+    assert fits(bf16, 4, 4, 32) and fits(bf16, 2, 2, 256)
+    assert not fits(torch.float32, 4, 2, 64)  # bf16 only
+    assert not fits(bf16, 16, 2, 80) and not fits(bf16, 4, 2, 512)  # head_dim
+    assert not fits(bf16, 6, 4, 64) and not fits(bf16, 4, 0, 64) and not fits(bf16, 64, 1, 64)
+    with pytest.raises(ValueError, match="do not fit the kernel"):
+        q = torch.zeros(2, 4, 80, dtype=bf16)
+        KERNELS.prefill_attention(q, q[:, :2], q[:, :2], torch.empty_like(q), 1.0)

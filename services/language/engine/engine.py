@@ -58,6 +58,7 @@ from services.language.inputs import PromptChunk, PromptInputs
 from services.language.kvcache.pool import KVPool, SlotAllocator, slot_bytes
 from services.language.kvcache.radix_cache import RadixCache
 from services.language.kvcache.sizing import plan_kv_pool, resolve_max_seq_len
+from services.language.model.attention import prefill_attention_kernels
 from services.language.model.weights import load_text_model
 from services.language.receiving import EmbeddingSource
 
@@ -109,6 +110,9 @@ class LanguageEngine:
         ):
             self.runner.decode_kernels = native
             logger.info("decode attention: the native kernel, keys read in the pool in place")
+        self.runner.prefill_kernels = prefill_attention_kernels(
+            config.prefill_attention, native, self.device, self.dtype, mc
+        )
         if config.cuda_graphs and self.device.type == "cuda":
             max_batch = min(config.cuda_graph_max_batch, config.max_running_requests)
             self.runner.decode_graphs = DecodeGraphs(

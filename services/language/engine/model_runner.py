@@ -86,6 +86,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by the engine on CUDA
         # set by the engine on a CPU where the native decode attention is the faster path
         self.decode_kernels: NativeKernels | None = None
+        # set by the engine on a CPU where the native prefill attention runs (bf16, AVX-512 BF16)
+        self.prefill_kernels: NativeKernels | None = None
 
     def build_batch(
         self, decode_groups: list[list[ScheduledChunk]], parts: list[ChunkInputs]
@@ -114,7 +116,9 @@ class ModelRunner:
         for part in parts:
             num = part.chunk.end - part.chunk.start
             kv_slots = part.kv_slots.to(self.device)
-            extends.append(ExtendSegment.causal(row, kv_slots, num, self.dtype))
+            extends.append(
+                ExtendSegment.causal(row, kv_slots, num, self.dtype, self.prefill_kernels)
+            )
             if part.chunk.sample:
                 logit_rows.append(row + num - 1)
             row += num

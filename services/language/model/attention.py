@@ -26,10 +26,16 @@ from 4096 (bf16, 2 cores).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
+from common.native_kernels import NativeKernels
 from services.language.model.batch import FLASH_ATTENTION_CPU, ForwardBatch
+from services.language.model.config import TextModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def paged_attention(
@@ -45,7 +51,13 @@ def paged_attention(
     """
     out = torch.empty_like(q)
     for seg in batch.extends:
-        qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
+        span = slice(seg.q_start, seg.q_start + seg.q_len)
+        if seg.kernels is not None:
+            k = _keys(k_cache, seg.kv_slots, seg.kv_run)
+            v = _keys(v_cache, seg.kv_slots, seg.kv_run)
+            seg.kernels.prefill_attention(q[span], k, v, out[span], scale)
+            continue
+        qs = q[span].transpose(0, 1)[None]
         k = _keys(k_cache, seg.kv_slots, seg.kv_run).transpose(0, 1)[None]
         v = _keys(v_cache, seg.kv_slots, seg.kv_run).transpose(0, 1)[None]
         if seg.split_prefix:
@@ -55,7 +67,7 @@ def paged_attention(
             o = F.scaled_dot_product_attention(
                 qs, k, v, attn_mask=seg.kv_bias, is_causal=causal, scale=scale, enable_gqa=True
             )
-        out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
+        out[span] = o[0].transpose(0, 1)
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     rows = batch.decode_rows
     if rows is not None:
@@ -105,3 +117,37 @@ def _after_prefix(
 def _keys(cache: torch.Tensor, slots: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:
     """The rows of ``cache`` at ``slots``: a slice when they are one run, else a gather."""
     return cache[run[0] : run[1]] if run is not None else cache.index_select(0, slots)
+
+
+def prefill_attention_kernels(
+    choice: str,
+    native: NativeKernels | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    mc: TextModelConfig,
+) -> NativeKernels | None:
+    """The kernels whose prefill attention the runner takes under the ``prefill_attention``
+    setting, or None for SDPA; logs the choice. ``auto`` takes the native kernel where it runs
+    (the native CPU kernels loaded, bf16, AVX-512 BF16, a head_dim and GQA group it takes);
+    ``native`` raises ``RuntimeError`` naming why where it cannot."""
+    why = ""
+    if choice == "sdpa":
+        why = "as configured"
+    elif device.type != "cpu":
+        why = f"on {device}"
+    elif native is None:
+        why = "no native CPU kernels"
+    elif not native.prefill_attention_fits(dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim):
+        isa = "built" if native.has_prefill_attention else "absent"
+        why = (
+            f"the native kernel takes bf16 on a CPU with AVX-512 BF16 and head_dim a multiple of "
+            f"32 up to 256 (here {dtype}, {mc.num_heads} heads over {mc.num_kv_heads} KV heads "
+            f"of {mc.head_dim}, AVX-512 BF16 {isa})"
+        )
+    if why:
+        if choice == "native":
+            raise RuntimeError(f"prefill_attention native: {why}")
+        logger.info("prefill attention: SDPA (%s)", why)
+        return None
+    logger.info("prefill attention: the native kernel (bf16, AVX-512 BF16)")
+    return native

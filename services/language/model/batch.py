@@ -57,6 +57,9 @@ class ExtendSegment:
     # a long prefix on a CPU (at least ``SPLIT_PREFIX_KEYS``): attended apart from the chunk's
     # own keys, without a mask, and the two parts merged (``model/attention.py``); no kv_bias
     split_prefix: bool = False
+    # the native prefill attention (bf16 on a CPU with AVX-512 BF16): the causal offset is the
+    # prefix length, no kv_bias and no split
+    kernels: NativeKernels | None = None
 
     @property
     def prefix_len(self) -> int:
@@ -64,9 +67,17 @@ class ExtendSegment:
 
     @classmethod
     def causal(
-        cls, q_start: int, kv_slots: torch.Tensor, q_len: int, dtype: torch.dtype
+        cls,
+        q_start: int,
+        kv_slots: torch.Tensor,
+        q_len: int,
+        dtype: torch.dtype,
+        kernels: NativeKernels | None = None,
     ) -> ExtendSegment:
-        """The segment of ``q_len`` new tokens whose keys are ``kv_slots`` (the prefix first)."""
+        """The segment of ``q_len`` new tokens whose keys are ``kv_slots`` (the prefix first);
+        ``kernels``: attended by the native prefill attention (no mask whatever the prefix)."""
+        if kernels is not None:
+            return cls(q_start, q_len, kv_slots, kv_run=slot_run(kv_slots), kernels=kernels)
         prefix_len = int(kv_slots.shape[0]) - q_len
         split = (
             prefix_len >= SPLIT_PREFIX_KEYS

@@ -1,0 +1,293 @@
+/* Causal prefill attention in bf16 on AVX-512 BF16, built with native_kernels.c into one library.
+ *
+ * A prefill chunk of `q_len` query tokens attends to `kv_len` keys: the `kv_len - q_len` cached
+ * ones, then its own. Query token t sees keys 0 .. kv_len - q_len + t (no mask is built or read).
+ * The query heads that share a KV head (the GQA group) are worked on together, so each key and
+ * value is read once per KV head, not once per query head.
+ *
+ * Flash-attention's scheme: each work item takes one KV head and up to ROWS_MAX query rows
+ * (token, head of the group) and walks the keys in blocks of 32, keeping per row a running maximum,
+ * the running sum of exponentials and an unnormalized output in float32. Both products run on
+ * VDPBF16PS, two bf16 products summed into a float32 lane per instruction:
+ * - scores: the keys of a block laid out as [dim / 2][32 keys] pairs of bf16 (packed once per call),
+ *   a query's pair (q[2i], q[2i + 1]) broadcast: 32 scores per two instructions per pair.
+ * - values: the block's probabilities rounded to bf16 (as torch's CPU flash kernel rounds them
+ *   before its bf16 matrix product), two keys' values interleaved as [16 key pairs][dim] pairs,
+ *   a pair of probabilities broadcast: 16 output lanes per instruction.
+ * Scores are float32 sums of exact bf16 products, scaled by `scale * log2(e)` and exponentiated as
+ * powers of two (a degree-7 polynomial, within ~2e-7 relative). The output is divided by the sum
+ * and rounded to bf16 to nearest even.
+ *
+ * Layouts (strides count elements): q [q_len] rows `q_stride` apart, each [heads][dim]; k and v
+ * [kv_len] rows `k_stride` / `v_stride` apart, each [kv_heads][dim]; out like q, `out_stride`.
+ * Returns 0, -1 where this build or the shape does not fit (no AVX-512 BF16; dim not a multiple
+ * of 32 or above 256; heads not a multiple of kv_heads; kv_len < q_len), -2 without memory.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define BLOCK 32      /* keys per block */
+#define ROWS_MAX 32   /* query rows per work item (a group's heads times its tokens) */
+#define ROWS_AT 4     /* rows per pass through a key block */
+#define DIM_MAX 256
+
+int prefill_attention_available(void) { return 1; }
+
+/* 2^x for x <= 0 (clamped at -126: the result is then ~1e-38, and masked lanes are zeroed by the
+ * caller): 2^round(x) * 2^f, f in [-0.5, 0.5], 2^f by Taylor's series of e^(f ln 2) to degree 7 */
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5252733804e-5f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393e-4f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+/* lanes 0 .. 15 of a 16-key half whose visible keys are lanes <= lim */
+static inline __mmask16 visible(int64_t lim) {
+    if (lim >= 15) return 0xFFFF;
+    if (lim < 0) return 0;
+    return (__mmask16)((1u << (lim + 1)) - 1u);
+}
+
+/* keys [j0, j0 + 32) of KV head h as [dim / 2][32] bf16 pairs; keys past kv_len are zero */
+static void pack_keys(const uint16_t* k, int64_t k_stride, int64_t kv_len, int64_t h,
+                      int64_t dim, int64_t j0, uint32_t* dst) {
+    const int64_t pairs = dim / 2;
+    for (int64_t lane = 0; lane < BLOCK; ++lane) {
+        const int64_t j = j0 + lane;
+        if (j < kv_len) {
+            const uint32_t* row = (const uint32_t*)(k + j * k_stride + h * dim);
+            for (int64_t i = 0; i < pairs; ++i) dst[i * BLOCK + lane] = row[i];
+        } else {
+            for (int64_t i = 0; i < pairs; ++i) dst[i * BLOCK + lane] = 0;
+        }
+    }
+}
+
+/* values of keys [j0, j0 + 32) of KV head h as [16 key pairs][dim] pairs (key 2p low, 2p + 1
+ * high); keys past kv_len are zero */
+static void pack_values(const uint16_t* v, int64_t v_stride, int64_t kv_len, int64_t h,
+                        int64_t dim, int64_t j0, uint32_t* dst) {
+    for (int64_t p = 0; p < BLOCK / 2; ++p) {
+        const int64_t j = j0 + 2 * p;
+        const uint16_t* lo = j < kv_len ? v + j * v_stride + h * dim : NULL;
+        const uint16_t* hi = j + 1 < kv_len ? v + (j + 1) * v_stride + h * dim : NULL;
+        for (int64_t d = 0; d < dim; ++d) {
+            const uint32_t a = lo ? lo[d] : 0, b = hi ? hi[d] : 0;
+            dst[p * dim + d] = a | (b << 16);
+        }
+    }
+}
+
+/* scores[r][0 .. 32) = scaled q_r . k_j for ROWS_AT rows (row pointers may repeat) */
+static inline void block_scores(const uint32_t* const* qrows, const uint32_t* kp, int64_t pairs,
+                                __m512 scale, float* scores) {
+    __m512 acc[ROWS_AT][2];
+    for (int r = 0; r < ROWS_AT; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; ++i) {
+        const __m512bh k0 = as_bh(_mm512_loadu_si512(kp + i * BLOCK));
+        const __m512bh k1 = as_bh(_mm512_loadu_si512(kp + i * BLOCK + 16));
+        for (int r = 0; r < ROWS_AT; ++r) {
+            const __m512bh qw = as_bh(_mm512_set1_epi32((int)qrows[r][i]));
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qw, k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qw, k1);
+        }
+    }
+    for (int r = 0; r < ROWS_AT; ++r) {
+        _mm512_storeu_ps(scores + r * BLOCK, _mm512_mul_ps(acc[r][0], scale));
+        _mm512_storeu_ps(scores + r * BLOCK + 16, _mm512_mul_ps(acc[r][1], scale));
+    }
+}
+
+/* out[r][c0 .. c0 + NC * 16) = out * alpha[r] + sum over the block's keys of p[r][j] * v[j], for
+ * ROWS_AT rows; NC 16-lane chunks of the output at a time */
+#define DEFINE_BLOCK_VALUES(NC)                                                                   \
+    static inline void block_values_##NC(float* const* orows, const uint32_t* const* prow,      \
+                                         const float* alpha, const uint32_t* vp, int64_t dim,     \
+                                         int64_t c0) {                                            \
+        __m512 acc[ROWS_AT][NC];                                                                  \
+        for (int r = 0; r < ROWS_AT; ++r)                                                         \
+            for (int c = 0; c < NC; ++c)                                                          \
+                acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(orows[r] + c0 + 16 * c),               \
+                                          _mm512_set1_ps(alpha[r]));                              \
+        for (int64_t p = 0; p < BLOCK / 2; ++p) {                                                 \
+            __m512bh vv[NC];                                                                      \
+            for (int c = 0; c < NC; ++c)                                                          \
+                vv[c] = as_bh(_mm512_loadu_si512(vp + p * dim + c0 + 16 * c));                    \
+            for (int r = 0; r < ROWS_AT; ++r) {                                                   \
+                const __m512bh pw = as_bh(_mm512_set1_epi32((int)prow[r][p]));                    \
+                for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pw, vv[c]); \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < ROWS_AT; ++r)                                                         \
+            for (int c = 0; c < NC; ++c) _mm512_storeu_ps(orows[r] + c0 + 16 * c, acc[r][c]);    \
+    }
+DEFINE_BLOCK_VALUES(4)
+DEFINE_BLOCK_VALUES(2)
+
+/* per-thread scratch of a work item */
+typedef struct {
+    float scores[ROWS_MAX][BLOCK];
+    uint16_t probs[ROWS_MAX][BLOCK];
+    float alpha[ROWS_MAX], max[ROWS_MAX], sum[ROWS_MAX];
+    float out[ROWS_MAX][DIM_MAX];
+} Scratch;
+
+/* one work item: KV head h, query tokens [t0, t0 + num_tokens), every head of its group */
+static void attend(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out_stride,
+                   const uint32_t* kp, const uint32_t* vp, int64_t num_blocks, int64_t offset,
+                   int64_t h, int64_t group, int64_t dim, int64_t t0, int64_t num_tokens,
+                   float scale_log2, Scratch* s) {
+    const int64_t rows = num_tokens * group, pairs = dim / 2;
+    const int64_t padded = (rows + ROWS_AT - 1) / ROWS_AT * ROWS_AT;
+    const uint32_t* qrows[ROWS_MAX];
+    const uint32_t* prows[ROWS_MAX];
+    float* orows[ROWS_MAX];
+    int64_t lim[ROWS_MAX]; /* the last key row r sees */
+    for (int64_t r = 0; r < padded; ++r) {
+        const int64_t real = r < rows ? r : 0; /* padding rows repeat row 0, results unused */
+        const int64_t t = t0 + real / group, head = h * group + real % group;
+        qrows[r] = (const uint32_t*)(q + t * q_stride + head * dim);
+        prows[r] = (const uint32_t*)s->probs[r];
+        orows[r] = s->out[r];
+        lim[r] = offset + t;
+        s->max[r] = -INFINITY;
+        s->sum[r] = 0.0f;
+        memset(s->out[r], 0, (size_t)dim * sizeof(float));
+    }
+    const __m512 scale = _mm512_set1_ps(scale_log2);
+    const int64_t last_key = offset + t0 + num_tokens - 1;
+    const int64_t blocks = last_key / BLOCK + 1;
+    for (int64_t b = 0; b < blocks && b < num_blocks; ++b) {
+        const int64_t j0 = b * BLOCK;
+        const uint32_t* kb = kp + b * pairs * BLOCK;
+        const uint32_t* vb = vp + b * (BLOCK / 2) * dim;
+        const int masked = j0 + BLOCK - 1 > offset + t0; /* some row does not see every key */
+        for (int64_t r = 0; r < padded; r += ROWS_AT)
+            block_scores(qrows + r, kb, pairs, scale, s->scores[r]);
+        for (int64_t r = 0; r < padded; ++r) {
+            __m512 s0 = _mm512_loadu_ps(s->scores[r]), s1 = _mm512_loadu_ps(s->scores[r] + 16);
+            __mmask16 m0 = 0xFFFF, m1 = 0xFFFF;
+            if (masked) {
+                m0 = visible(lim[r] - j0);
+                m1 = visible(lim[r] - j0 - 16);
+            }
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            s0 = _mm512_mask_mov_ps(ninf, m0, s0);
+            s1 = _mm512_mask_mov_ps(ninf, m1, s1);
+            const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            const float new_max = block_max > s->max[r] ? block_max : s->max[r];
+            const __m512 mx = _mm512_set1_ps(new_max);
+            const __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_ps(_mm512_sub_ps(s0, mx)));
+            const __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_ps(_mm512_sub_ps(s1, mx)));
+            /* the old maximum's share, 2^(old - new): 0 before the first block (old = -inf) */
+            const float alpha =
+                _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(s->max[r] - new_max))) *
+                (s->max[r] == -INFINITY ? 0.0f : 1.0f);
+            s->alpha[r] = alpha;
+            s->max[r] = new_max;
+            s->sum[r] = s->sum[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            _mm512_storeu_si512(s->probs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        for (int64_t r = 0; r < padded; r += ROWS_AT) {
+            int64_t c0 = 0;
+            for (; c0 + 64 <= dim; c0 += 64)
+                block_values_4(orows + r, prows + r, s->alpha + r, vb, dim, c0);
+            for (; c0 < dim; c0 += 32)
+                block_values_2(orows + r, prows + r, s->alpha + r, vb, dim, c0);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = t0 + r / group, head = h * group + r % group;
+        uint16_t* o = out + t * out_stride + head * dim;
+        const __m512 inv = _mm512_set1_ps(1.0f / s->sum[r]);
+        for (int64_t c = 0; c < dim; c += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s->out[r] + c), inv);
+            _mm256_storeu_si256((__m256i*)(o + c), (__m256i)_mm512_cvtneps_pbh(x));
+        }
+    }
+}
+
+int prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
+                           int64_t k_stride, const uint16_t* v, int64_t v_stride, uint16_t* out,
+                           int64_t out_stride, int64_t q_len, int64_t kv_len, int64_t heads,
+                           int64_t kv_heads, int64_t dim, float scale, int threads) {
+    if (dim % 32 || dim > DIM_MAX || kv_heads <= 0 || heads % kv_heads || kv_len < q_len)
+        return -1;
+    const int64_t group = heads / kv_heads;
+    if (group > ROWS_MAX) return -1;
+    if (q_len <= 0) return 0;
+    const int64_t num_blocks = (kv_len + BLOCK - 1) / BLOCK;
+    const int64_t block_words = dim / 2 * BLOCK; /* the same for keys and values */
+    const size_t packed = (size_t)(kv_heads * num_blocks * block_words) * sizeof(uint32_t);
+    uint32_t* kp = aligned_alloc(64, (packed + 63) / 64 * 64);
+    uint32_t* vp = aligned_alloc(64, (packed + 63) / 64 * 64);
+    if (!kp || !vp) {
+        free(kp);
+        free(vp);
+        return -2;
+    }
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t item = 0; item < kv_heads * num_blocks; ++item) {
+        const int64_t h = item / num_blocks, b = item % num_blocks;
+        pack_keys(k, k_stride, kv_len, h, dim, b * BLOCK, kp + item * block_words);
+        pack_values(v, v_stride, kv_len, h, dim, b * BLOCK, vp + item * block_words);
+    }
+    const int64_t tokens_per_item = ROWS_MAX / group;
+    const int64_t token_blocks = (q_len + tokens_per_item - 1) / tokens_per_item;
+    const int64_t offset = kv_len - q_len;
+    const float scale_log2 = scale * 1.44269504088896341f;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads)") {
+        Scratch* s = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+        if (!s) {
+            _Pragma("omp atomic write") failed = 1;
+        }
+        /* the longest items (last tokens: the most keys) first */
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t item = 0; item < kv_heads * token_blocks; ++item) {
+            if (!s) continue;
+            const int64_t tb = token_blocks - 1 - item / kv_heads, h = item % kv_heads;
+            const int64_t t0 = tb * tokens_per_item;
+            const int64_t n = q_len - t0 < tokens_per_item ? q_len - t0 : tokens_per_item;
+            attend(q, q_stride, out, out_stride, kp + h * num_blocks * block_words,
+                   vp + h * num_blocks * block_words, num_blocks, offset, h, group, dim, t0, n,
+                   scale_log2, s);
+        }
+        free(s);
+    }
+    free(kp);
+    free(vp);
+    return failed ? -2 : 0;
+}
+
+#else /* no AVX-512 BF16 in this build: the callers keep SDPA */
+
+int prefill_attention_available(void) { return 0; }
+
+int prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
+                           int64_t k_stride, const uint16_t* v, int64_t v_stride, uint16_t* out,
+                           int64_t out_stride, int64_t q_len, int64_t kv_len, int64_t heads,
+                           int64_t kv_heads, int64_t dim, float scale, int threads) {
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
+    (void)out_stride, (void)q_len, (void)kv_len, (void)heads, (void)kv_heads, (void)dim;
+    (void)scale, (void)threads;
+    return -1;
+}
+
+#endif
