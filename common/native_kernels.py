@@ -1,6 +1,7 @@
-"""CPU kernels in C (``native_kernels.c``), compiled at first use, with torch's ops as the
-fallback: RMSNorm, the vision tower's rotary embedding, the language model's rotary embedding
-with its KV write, patch cutting, and decode attention over the KV pool.
+"""CPU kernels in C (``native_kernels.c``, ``native_prefill_attention.c``), compiled at first use,
+with torch's ops as the fallback: RMSNorm, the vision tower's rotary embedding, the language
+model's rotary embedding with its KV write, patch cutting, decode attention over the KV pool,
+and (bf16, AVX-512 BF16) causal prefill attention.
 
 On a CPU, a small model's forward is as much element-wise work as matrix products: a bf16
 RMSNorm is eight passes over memory in torch (a float32 copy, square, mean, add, rsqrt,
@@ -13,7 +14,11 @@ embedding of 16k patches 8.6 -> 2.0 ms. The language model's rotary embedding an
 values) made the demo model's 8,659-token prefill 1.16x faster and the bench model's 2,048-token
 one 1.12x (engine alone, alternated; decode steps unchanged). Decode attention reads each
 request's keys in the KV pool in place (``decode_attention``; where it wins,
-``decode_attention_fits``) instead of the gather into a padded batch SDPA needs. Tried and
+``decode_attention_fits``) instead of the gather into a padded batch SDPA needs. Prefill
+attention (``prefill_attention``) is a flash kernel of its own on AVX-512 BF16: 290-340
+GFLOP/s where torch's CPU flash kernel runs 95-150 and vLLM's CPU kernel ~160 (2 cores, Zen 4:
+a 1,170-token prompt's layer 6.3 -> 2.4 ms, an 8,659-token one's 287 -> 131 ms), as accurate as
+SDPA in bf16; it is not built for fp32, where SDPA stays. Tried and
 left out: a fused SiLU-and-multiply (its division and exp made it no faster than torch's
 vectorized ops in bf16), a greedy row max (slower than ``sampling.row_max``'s blocked
 ``amax``), and a small-batch bf16 matrix product on AMX tiles for decode-sized linears

@@ -1,5 +1,10 @@
 """Attention of a flat batch over the paged KV pool with ``scaled_dot_product_attention``.
 
+In bf16 on a CPU with AVX-512 BF16 (``prefill_attention`` ``auto`` / ``native``), prefill chunks
+attend with the native causal kernel instead (``NativeKernels.prefill_attention``: the prefix
+length is its causal offset, no mask; ~2.4x SDPA here). What follows is the SDPA path, the
+reference, which it replaces for prefill chunks only.
+
 Prefill chunks attend causally with an offset: query ``i`` of a chunk that follows
 ``prefix_len`` cached tokens sees keys ``0 .. prefix_len + i`` (an additive key bias made once
 per step, ``ExtendSegment.kv_bias``). Decode tokens see all their keys; each group of decode
