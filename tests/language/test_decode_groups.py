@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.native_kernels import load_native_kernels
 from services.language.engine import decode_groups
 from services.language.engine.decode_groups import group_by_kv_len, pad_decode_group
 from services.language.engine.model_runner import ModelRunner
@@ -221,6 +222,41 @@ def test_a_chunk_after_a_long_prefix_attends_to_it_apart(dtype, prefix_len):
         torch.testing.assert_close(out.float(), want, **TOL[dtype])
 
 
+NATIVE, _ = load_native_kernels()
+
+
+@pytest.mark.skipif(
+    NATIVE is None or not NATIVE.has_prefill_attention, reason="no native prefill attention here"
+)
+@pytest.mark.parametrize("prefix_len", [0, 300, 2500])
+def test_a_chunk_on_the_native_prefill_attention_takes_its_prefix_as_the_offset(prefix_len):
+    """With the native kernel a segment has no mask and no split at any prefix length, and
+    ``paged_attention`` gives causal attention over all its keys, in one run and scattered."""
+    gen = torch.Generator().manual_seed(3)
+    chunk, num_slots, dtype = 96, 6000, torch.bfloat16
+    k_cache = torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(chunk + 5, HEADS, HEAD_DIM, generator=gen).to(dtype)  # 5 decode rows first
+    run = torch.arange(50, 50 + prefix_len + chunk)
+    scattered = torch.randperm(num_slots, generator=gen)[: prefix_len + chunk]
+    for slots in (run, scattered):
+        segment = ExtendSegment.causal(5, slots, chunk, dtype, NATIVE)
+        assert segment.kv_bias is None and not segment.split_prefix
+        assert segment.kernels is NATIVE and segment.prefix_len == prefix_len
+        batch = ForwardBatch(
+            fill_ids=torch.zeros(chunk, dtype=torch.long),
+            positions=torch.zeros(3, chunk, dtype=torch.long),
+            image_rows=None,
+            out_slots=slots[-chunk:],
+            extends=[segment],
+            decode_groups=[],
+            logit_rows=torch.arange(1),
+        )
+        out = paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5)
+        want = reference_chunk(q[5:], k_cache[slots], v_cache[slots], prefix_len, HEAD_DIM**-0.5)
+        torch.testing.assert_close(out[5:].float(), want, **TOL[dtype])
+
+
 def test_engine_splits_long_prefixes_and_matches_transformers(harness, monkeypatch):
     """A long prompt in small chunks: the chunks after ``SPLIT_PREFIX_KEYS`` tokens attend to
     their prefix apart, and the greedy tokens are transformers'."""
@@ -230,8 +266,8 @@ def test_engine_splits_long_prefixes_and_matches_transformers(harness, monkeypat
     splits = []
     causal = ExtendSegment.causal.__func__
 
-    def counting(cls, q_start, kv_slots, q_len, dtype):
-        segment = causal(cls, q_start, kv_slots, q_len, dtype)
+    def counting(cls, q_start, kv_slots, q_len, dtype, kernels=None):
+        segment = causal(cls, q_start, kv_slots, q_len, dtype, kernels)
         splits.append(segment.split_prefix)
         return segment
 
