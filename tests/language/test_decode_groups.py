@@ -5,17 +5,21 @@ the prefill chunk's attention after a long prefix (attended apart, ``model/atten
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from common.native_kernels import load_native_kernels
+from services.language.config import LanguageConfig
 from services.language.engine import decode_groups
 from services.language.engine.decode_groups import group_by_kv_len, pad_decode_group
 from services.language.engine.model_runner import ModelRunner
 from services.language.engine.sampling import SamplingParams
 from services.language.model import batch as batch_module
-from services.language.model.attention import paged_attention
+from services.language.model.attention import paged_attention, prefill_attention_kernels
 from services.language.model.batch import ExtendSegment, ForwardBatch, slot_run
 from tests.language.conftest import make_image, run_to_completion, tokens_of
 
@@ -191,6 +195,19 @@ def reference_chunk(q, k, v, prefix_len: int, scale: float) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
+def chunk_batch(segment: ExtendSegment, slots: torch.Tensor) -> ForwardBatch:
+    """A step of the one prefill chunk ``segment`` whose keys are at ``slots``."""
+    return ForwardBatch(
+        fill_ids=torch.zeros(segment.q_len, dtype=torch.long),
+        positions=torch.zeros(3, segment.q_len, dtype=torch.long),
+        image_rows=None,
+        out_slots=slots[-segment.q_len :],
+        extends=[segment],
+        decode_groups=[],
+        logit_rows=torch.arange(1),
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prefix_len", [0, 300, 1024, 2500])
 def test_a_chunk_after_a_long_prefix_attends_to_it_apart(dtype, prefix_len):
@@ -208,15 +225,7 @@ def test_a_chunk_after_a_long_prefix_attends_to_it_apart(dtype, prefix_len):
         segment = ExtendSegment.causal(0, slots, chunk, dtype)
         assert segment.split_prefix == (prefix_len >= batch_module.SPLIT_PREFIX_KEYS)
         assert (segment.kv_bias is None) == (prefix_len == 0 or segment.split_prefix)
-        batch = ForwardBatch(
-            fill_ids=torch.zeros(chunk, dtype=torch.long),
-            positions=torch.zeros(3, chunk, dtype=torch.long),
-            image_rows=None,
-            out_slots=slots[-chunk:],
-            extends=[segment],
-            decode_groups=[],
-            logit_rows=torch.arange(1),
-        )
+        batch = chunk_batch(segment, slots)
         out = paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5)
         want = reference_chunk(q, k_cache[slots], v_cache[slots], prefix_len, HEAD_DIM**-0.5)
         torch.testing.assert_close(out.float(), want, **TOL[dtype])
@@ -243,15 +252,7 @@ def test_a_chunk_on_the_native_prefill_attention_takes_its_prefix_as_the_offset(
         segment = ExtendSegment.causal(5, slots, chunk, dtype, NATIVE)
         assert segment.kv_bias is None and not segment.split_prefix
         assert segment.kernels is NATIVE and segment.prefix_len == prefix_len
-        batch = ForwardBatch(
-            fill_ids=torch.zeros(chunk, dtype=torch.long),
-            positions=torch.zeros(3, chunk, dtype=torch.long),
-            image_rows=None,
-            out_slots=slots[-chunk:],
-            extends=[segment],
-            decode_groups=[],
-            logit_rows=torch.arange(1),
-        )
+        batch = chunk_batch(segment, slots)
         out = paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5)
         want = reference_chunk(q[5:], k_cache[slots], v_cache[slots], prefix_len, HEAD_DIM**-0.5)
         torch.testing.assert_close(out[5:].float(), want, **TOL[dtype])
@@ -276,3 +277,26 @@ def test_engine_splits_long_prefixes_and_matches_transformers(harness, monkeypat
     engine.add_request("long", SamplingParams(max_new_tokens=8), case.inputs)
     assert tokens_of(run_to_completion(engine)["long"]) == case.expected
     assert any(splits) and not all(splits)
+
+
+def test_the_prefill_attention_setting_picks_the_kernel_and_native_says_why_not(caplog):
+    """``auto`` takes the native kernel only where it runs and logs why not elsewhere;
+    ``native`` there raises naming the reason; ``sdpa`` never takes it; a bad value is refused."""
+    shape = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    runs = NATIVE is not None and NATIVE.has_prefill_attention
+    assert prefill_attention_kernels("auto", NATIVE, cpu, bf16, shape) is (NATIVE if runs else None)
+    assert prefill_attention_kernels("sdpa", NATIVE, cpu, bf16, shape) is None
+    with caplog.at_level(logging.INFO, logger="services.language.model.attention"):
+        assert prefill_attention_kernels("auto", NATIVE, cpu, torch.float32, shape) is None
+        assert prefill_attention_kernels("auto", None, cpu, bf16, shape) is None
+    assert "prefill attention: SDPA (no native CPU kernels)" in caplog.text
+    with pytest.raises(RuntimeError, match="prefill_attention native: on cuda"):
+        prefill_attention_kernels("native", NATIVE, torch.device("cuda"), bf16, shape)
+    with pytest.raises(RuntimeError, match="prefill_attention native: no native CPU kernels"):
+        prefill_attention_kernels("native", None, cpu, bf16, shape)
+    if NATIVE is not None:
+        with pytest.raises(RuntimeError, match="prefill_attention native: .*torch.float32"):
+            prefill_attention_kernels("native", NATIVE, cpu, torch.float32, shape)
+    with pytest.raises(ValueError, match="prefill_attention must be one of"):
+        LanguageConfig(prefill_attention="flash")
