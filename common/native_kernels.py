@@ -79,11 +79,30 @@ SIGNATURES = {  # C function (without the dtype suffix) -> argument types
 # kernels in bf16 only (the function's name ends in _bf16 alone)
 BF16_SIGNATURES = {
     "prefill_attention": (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, *(_i64,) * 6, _f32, _int),
+    "self_attention": (
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        *(_i64,) * 4,
+        _f32,
+        _int,
+        _int,
+    ),  # fmt: skip
 }
-RETURNS = {"decode_attention": ctypes.c_int, "prefill_attention": ctypes.c_int}
-# prefill attention: the C kernel's limits (head_dim a multiple of 32 up to 256, at most 32 query
-# heads per KV head); it runs where the CPU has AVX-512 BF16 (``prefill_attention_fits``)
-PREFILL_DIM_STEP, PREFILL_MAX_DIM, PREFILL_MAX_GROUP = 32, 256, 32
+RETURNS = {
+    "decode_attention": ctypes.c_int,
+    "prefill_attention": ctypes.c_int,
+    "self_attention": ctypes.c_int,
+}
+# the bf16 attention kernels' limits (head_dim a multiple of 16 up to 256, at most 32 query heads
+# per KV head); they run where the CPU has AVX-512 BF16 (``attention_fits``)
+ATTENTION_DIM_STEP, ATTENTION_MAX_DIM, ATTENTION_MAX_GROUP = 16, 256, 32
 # decode attention: the C kernel's limits, and the largest GQA group (query heads per KV head)
 # where it beats gathering the keys for SDPA. Measured on 2 cores, bf16, 16 requests: group 2
 # (head_dim 64 or 128) 1.5-3x faster from 45 to 1,100 keys and 2-3x for one 8,700-key request;
@@ -300,19 +319,17 @@ class NativeKernels:
             raise MemoryError("decode_attention: no memory for its score buffers")
         return out
 
-    def prefill_attention_fits(
-        self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
-    ) -> bool:
-        """True where ``prefill_attention`` runs for this model: bf16 on a CPU with AVX-512
-        BF16, a head_dim and GQA group within the kernel's limits."""
+    def attention_fits(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+        """True where ``prefill_attention`` and ``self_attention`` run for a model: bf16 on a
+        CPU with AVX-512 BF16, a head_dim and GQA group within the kernels' limits."""
         group = heads // kv_heads if kv_heads else 0
         return (
             self.has_prefill_attention
             and dtype == torch.bfloat16
             and group * kv_heads == heads
-            and 0 < group <= PREFILL_MAX_GROUP
-            and head_dim % PREFILL_DIM_STEP == 0
-            and 0 < head_dim <= PREFILL_MAX_DIM
+            and 0 < group <= ATTENTION_MAX_GROUP
+            and head_dim % ATTENTION_DIM_STEP == 0
+            and 0 < head_dim <= ATTENTION_MAX_DIM
         )
 
     def prefill_attention(
@@ -321,7 +338,7 @@ class NativeKernels:
         """Causal attention of a prefill chunk written into ``out``: ``q`` and ``out`` ``[q_len,
         heads, head_dim]`` (bf16; rows may be strided), ``k`` / ``v`` ``[kv_len, kv_heads,
         head_dim]``, the chunk's own keys last: query ``i`` sees keys ``0 .. kv_len - q_len +
-        i``. Returns ``out``. Only where ``prefill_attention_fits``."""
+        i``. Returns ``out``. Only where ``attention_fits``."""
         q, k, v = _heads(q), _heads(k), _heads(v)
         if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
             raise ValueError("prefill_attention writes rows of contiguous heads")
@@ -338,6 +355,42 @@ class NativeKernels:
             )
         if code:
             raise MemoryError("prefill_attention: no memory for its packed keys")
+        return out
+
+    def self_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        """Attention within each piece that ``cu_seqlens`` (long ``[num_pieces + 1]`` offsets)
+        cuts from ``q`` / ``out`` ``[S, heads, head_dim]`` and ``k`` / ``v`` ``[S, kv_heads,
+        head_dim]`` (bf16; rows may be strided): every token of a piece sees all of its piece
+        (``causal``: the ones before it and itself). Written into ``out``, returned. Only where
+        ``attention_fits``."""
+        q, k, v = _heads(q), _heads(k), _heads(v)
+        if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
+            raise ValueError("self_attention writes rows of contiguous heads")
+        cu = cu_seqlens.to(torch.int64).contiguous()
+        if int(cu[0]) != 0 or int(cu[-1]) != q.shape[0] or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"self_attention: cu_seqlens must rise from 0 to {q.shape[0]}")
+        heads, dim = q.shape[1:]
+        code = self._lib.self_attention_bf16(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            out.data_ptr(), out.stride(0), cu.data_ptr(), cu.shape[0] - 1, heads, k.shape[1],
+            dim, scale, int(causal), torch.get_num_threads(),
+        )  # fmt: skip
+        if code == -1:
+            raise ValueError(
+                f"self_attention: {heads} heads over {k.shape[1]} KV heads of {dim} do not fit "
+                "the kernel (or it is not built here)"
+            )
+        if code:
+            raise MemoryError("self_attention: no memory for its packed keys")
         return out
 
 

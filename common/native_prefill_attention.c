@@ -1,14 +1,16 @@
-/* Causal prefill attention in bf16 on AVX-512 BF16, built with native_kernels.c into one library.
+/* Attention in bf16 on AVX-512 BF16, built with native_kernels.c into one library: the language
+ * model's causal prefill (`prefill_attention_bf16`) and the vision tower's attention within each
+ * image or window (`self_attention_bf16`, pieces cut by `cu_seqlens`, causal or not).
  *
  * A prefill chunk of `q_len` query tokens attends to `kv_len` keys: the `kv_len - q_len` cached
- * ones, then its own. Query token t sees keys 0 .. kv_len - q_len + t (no mask is built or read).
- * The query heads that share a KV head (the GQA group) are worked on together, so each key and
- * value is read once per KV head, not once per query head.
+ * ones, then its own. Query token t sees keys 0 .. kv_len - q_len + t (no mask is built or read);
+ * without `causal`, every key of its piece. The query heads that share a KV head (the GQA group)
+ * are worked on together, so each key and value is read once per KV head, not once per query head.
  *
  * Flash-attention's scheme: each work item takes one KV head and up to ROWS_MAX query rows
- * (token, head of the group) and walks the keys in blocks of 32, keeping per row a running maximum,
- * the running sum of exponentials and an unnormalized output in float32. Both products run on
- * VDPBF16PS, two bf16 products summed into a float32 lane per instruction:
+ * (token, head of the group) of one sequence and walks its keys in blocks of 32, keeping per row
+ * a running maximum, the running sum of exponentials and an unnormalized output in float32. Both
+ * products run on VDPBF16PS, two bf16 products summed into a float32 lane per instruction:
  * - scores: the keys of a block laid out as [dim / 2][32 keys] pairs of bf16 (packed once per call),
  *   a query's pair (q[2i], q[2i + 1]) broadcast: 32 scores per two instructions per pair.
  * - values: the block's probabilities rounded to bf16 (as torch's CPU flash kernel rounds them
@@ -18,10 +20,11 @@
  * powers of two (a degree-7 polynomial, within ~2e-7 relative). The output is divided by the sum
  * and rounded to bf16 to nearest even.
  *
- * Layouts (strides count elements): q [q_len] rows `q_stride` apart, each [heads][dim]; k and v
- * [kv_len] rows `k_stride` / `v_stride` apart, each [kv_heads][dim]; out like q, `out_stride`.
+ * Layouts (strides count elements): q [tokens] rows `q_stride` apart, each [heads][dim]; k and v
+ * [keys] rows `k_stride` / `v_stride` apart, each [kv_heads][dim]; out like q, `out_stride`.
  * Returns 0, -1 where this build or the shape does not fit (no AVX-512 BF16; dim not a multiple
- * of 32 or above 256; heads not a multiple of kv_heads; kv_len < q_len), -2 without memory.
+ * of 16 or above 256; heads not a multiple of kv_heads or more than 32 per KV head; fewer keys
+ * than queries), -2 without memory.
  */
 #include <math.h>
 #include <stdint.h>
@@ -116,8 +119,8 @@ static inline void block_scores(const uint32_t* const* qrows, const uint32_t* kp
 
 /* out[r][c0 .. c0 + NC * 16) = out * alpha[r] + sum over the block's keys of p[r][j] * v[j], for
  * ROWS_AT rows; NC 16-lane chunks of the output at a time */
-#define DEFINE_BLOCK_VALUES(NC)                                                                   \
-    static inline void block_values_##NC(float* const* orows, const uint32_t* const* prow,      \
+#define DEFINE_BLOCK_VALUES(NC, ATTR)                                                                   \
+    static ATTR void block_values_##NC(float* const* orows, const uint32_t* const* prow,      \
                                          const float* alpha, const uint32_t* vp, int64_t dim,     \
                                          int64_t c0) {                                            \
         __m512 acc[ROWS_AT][NC];                                                                  \
@@ -137,8 +140,11 @@ static inline void block_scores(const uint32_t* const* qrows, const uint32_t* kp
         for (int r = 0; r < ROWS_AT; ++r)                                                         \
             for (int c = 0; c < NC; ++c) _mm512_storeu_ps(orows[r] + c0 + 16 * c, acc[r][c]);    \
     }
-DEFINE_BLOCK_VALUES(4)
-DEFINE_BLOCK_VALUES(2)
+DEFINE_BLOCK_VALUES(4, inline)
+DEFINE_BLOCK_VALUES(2, inline)
+/* the last 16 lanes of a head_dim like 80: out of line, so the common widths' loop keeps its
+ * registers (inlined, it made a 64-wide head's attention ~8% slower) */
+DEFINE_BLOCK_VALUES(1, __attribute__((noinline)))
 
 /* per-thread scratch of a work item */
 typedef struct {
@@ -148,13 +154,16 @@ typedef struct {
     float out[ROWS_MAX][DIM_MAX];
 } Scratch;
 
-/* one work item: KV head h, query tokens [t0, t0 + num_tokens), every head of its group */
+/* one work item: KV head h, query tokens [t0, t0 + num_tokens) of one sequence, every head of
+ * its group; kp / vp: that head's packed blocks of the sequence's kv_len keys. Causal: query t
+ * sees keys 0 .. kv_len - q_len + t; otherwise every key. */
 static void attend(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out_stride,
-                   const uint32_t* kp, const uint32_t* vp, int64_t num_blocks, int64_t offset,
-                   int64_t h, int64_t group, int64_t dim, int64_t t0, int64_t num_tokens,
-                   float scale_log2, Scratch* s) {
+                   const uint32_t* kp, const uint32_t* vp, int64_t q_len, int64_t kv_len,
+                   int causal, int64_t h, int64_t group, int64_t dim, int64_t t0,
+                   int64_t num_tokens, float scale_log2, Scratch* s) {
     const int64_t rows = num_tokens * group, pairs = dim / 2;
     const int64_t padded = (rows + ROWS_AT - 1) / ROWS_AT * ROWS_AT;
+    const int64_t offset = kv_len - q_len;
     const uint32_t* qrows[ROWS_MAX];
     const uint32_t* prows[ROWS_MAX];
     float* orows[ROWS_MAX];
@@ -165,19 +174,19 @@ static void attend(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t o
         qrows[r] = (const uint32_t*)(q + t * q_stride + head * dim);
         prows[r] = (const uint32_t*)s->probs[r];
         orows[r] = s->out[r];
-        lim[r] = offset + t;
+        lim[r] = causal ? offset + t : kv_len - 1;
         s->max[r] = -INFINITY;
         s->sum[r] = 0.0f;
         memset(s->out[r], 0, (size_t)dim * sizeof(float));
     }
     const __m512 scale = _mm512_set1_ps(scale_log2);
-    const int64_t last_key = offset + t0 + num_tokens - 1;
-    const int64_t blocks = last_key / BLOCK + 1;
-    for (int64_t b = 0; b < blocks && b < num_blocks; ++b) {
+    const int64_t first_lim = causal ? offset + t0 : kv_len - 1; /* the fewest keys a row sees */
+    const int64_t last_key = causal ? offset + t0 + num_tokens - 1 : kv_len - 1;
+    for (int64_t b = 0; b <= last_key / BLOCK; ++b) {
         const int64_t j0 = b * BLOCK;
         const uint32_t* kb = kp + b * pairs * BLOCK;
         const uint32_t* vb = vp + b * (BLOCK / 2) * dim;
-        const int masked = j0 + BLOCK - 1 > offset + t0; /* some row does not see every key */
+        const int masked = j0 + BLOCK - 1 > first_lim; /* some row does not see every key */
         for (int64_t r = 0; r < padded; r += ROWS_AT)
             block_scores(qrows + r, kb, pairs, scale, s->scores[r]);
         for (int64_t r = 0; r < padded; ++r) {
@@ -208,8 +217,10 @@ static void attend(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t o
             int64_t c0 = 0;
             for (; c0 + 64 <= dim; c0 += 64)
                 block_values_4(orows + r, prows + r, s->alpha + r, vb, dim, c0);
-            for (; c0 < dim; c0 += 32)
+            for (; c0 + 32 <= dim; c0 += 32)
                 block_values_2(orows + r, prows + r, s->alpha + r, vb, dim, c0);
+            for (; c0 < dim; c0 += 16)
+                block_values_1(orows + r, prows + r, s->alpha + r, vb, dim, c0);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -223,57 +234,102 @@ static void attend(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t o
     }
 }
 
+/* Sequences i = 0 .. num_seqs - 1: queries [cu_q[i], cu_q[i + 1]) attend to keys [cu_k[i],
+ * cu_k[i + 1]) (at least as many). Keys and values are packed per sequence and KV head, then
+ * the work items (sequence, KV head, block of query tokens) are shared among the threads. */
+static int run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+               const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t out_stride,
+               const int64_t* cu_q, const int64_t* cu_k, int64_t num_seqs, int64_t heads,
+               int64_t kv_heads, int64_t dim, float scale, int causal, int threads) {
+    if (dim % 16 || dim <= 0 || dim > DIM_MAX || kv_heads <= 0 || heads % kv_heads) return -1;
+    const int64_t group = heads / kv_heads;
+    if (group > ROWS_MAX) return -1;
+    const int64_t tokens_per_item = ROWS_MAX / group;
+    /* per sequence: its first key block and first work item (prefix sums) */
+    int64_t* first_block = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    int64_t* first_item = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    if (!first_block || !first_item) {
+        free(first_block);
+        free(first_item);
+        return -2;
+    }
+    first_block[0] = first_item[0] = 0;
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        const int64_t q_len = cu_q[i + 1] - cu_q[i], kv_len = cu_k[i + 1] - cu_k[i];
+        if (q_len < 0 || kv_len < q_len) {
+            free(first_block);
+            free(first_item);
+            return -1;
+        }
+        first_block[i + 1] = first_block[i] + (kv_len + BLOCK - 1) / BLOCK;
+        first_item[i + 1] = first_item[i] + (q_len + tokens_per_item - 1) / tokens_per_item;
+    }
+    const int64_t num_blocks = first_block[num_seqs], num_items = first_item[num_seqs];
+    const int64_t block_words = dim / 2 * BLOCK; /* the same for keys and values */
+    const size_t packed = (size_t)(kv_heads * num_blocks * block_words) * sizeof(uint32_t);
+    uint32_t* kp = aligned_alloc(64, (packed + 63) / 64 * 64 + 64);
+    uint32_t* vp = aligned_alloc(64, (packed + 63) / 64 * 64 + 64);
+    int failed = !kp || !vp;
+    const float scale_log2 = scale * 1.44269504088896341f;
+    if (!failed) {
+        _Pragma("omp parallel num_threads(threads)") {
+            /* pack: (KV head, block) items; a block's sequence found by walking forward */
+            _Pragma("omp for schedule(static)")
+            for (int64_t item = 0; item < kv_heads * num_blocks; ++item) {
+                const int64_t h = item / num_blocks, b = item % num_blocks;
+                int64_t i = 0;
+                while (first_block[i + 1] <= b) ++i;
+                const int64_t kv_len = cu_k[i + 1] - cu_k[i];
+                const int64_t j0 = (b - first_block[i]) * BLOCK;
+                pack_keys(k + cu_k[i] * k_stride, k_stride, kv_len, h, dim, j0,
+                          kp + item * block_words);
+                pack_values(v + cu_k[i] * v_stride, v_stride, kv_len, h, dim, j0,
+                            vp + item * block_words);
+            }
+            Scratch* s = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+            if (!s) {
+                _Pragma("omp atomic write") failed = 1;
+            }
+            /* the longest items (a causal sequence's last tokens: the most keys) first */
+            _Pragma("omp for schedule(dynamic, 1)")
+            for (int64_t item = 0; item < kv_heads * num_items; ++item) {
+                if (!s) continue;
+                const int64_t w = num_items - 1 - item / kv_heads, h = item % kv_heads;
+                int64_t i = 0;
+                while (first_item[i + 1] <= w) ++i;
+                const int64_t q_len = cu_q[i + 1] - cu_q[i], kv_len = cu_k[i + 1] - cu_k[i];
+                const int64_t t0 = (w - first_item[i]) * tokens_per_item;
+                const int64_t n = q_len - t0 < tokens_per_item ? q_len - t0 : tokens_per_item;
+                const int64_t blocks = h * num_blocks + first_block[i];
+                attend(q + cu_q[i] * q_stride, q_stride, out + cu_q[i] * out_stride, out_stride,
+                       kp + blocks * block_words, vp + blocks * block_words, q_len, kv_len,
+                       causal, h, group, dim, t0, n, scale_log2, s);
+            }
+            free(s);
+        }
+    }
+    free(kp);
+    free(vp);
+    free(first_block);
+    free(first_item);
+    return failed ? -2 : 0;
+}
+
 int prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
                            int64_t k_stride, const uint16_t* v, int64_t v_stride, uint16_t* out,
                            int64_t out_stride, int64_t q_len, int64_t kv_len, int64_t heads,
                            int64_t kv_heads, int64_t dim, float scale, int threads) {
-    if (dim % 32 || dim > DIM_MAX || kv_heads <= 0 || heads % kv_heads || kv_len < q_len)
-        return -1;
-    const int64_t group = heads / kv_heads;
-    if (group > ROWS_MAX) return -1;
-    if (q_len <= 0) return 0;
-    const int64_t num_blocks = (kv_len + BLOCK - 1) / BLOCK;
-    const int64_t block_words = dim / 2 * BLOCK; /* the same for keys and values */
-    const size_t packed = (size_t)(kv_heads * num_blocks * block_words) * sizeof(uint32_t);
-    uint32_t* kp = aligned_alloc(64, (packed + 63) / 64 * 64);
-    uint32_t* vp = aligned_alloc(64, (packed + 63) / 64 * 64);
-    if (!kp || !vp) {
-        free(kp);
-        free(vp);
-        return -2;
-    }
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
-    for (int64_t item = 0; item < kv_heads * num_blocks; ++item) {
-        const int64_t h = item / num_blocks, b = item % num_blocks;
-        pack_keys(k, k_stride, kv_len, h, dim, b * BLOCK, kp + item * block_words);
-        pack_values(v, v_stride, kv_len, h, dim, b * BLOCK, vp + item * block_words);
-    }
-    const int64_t tokens_per_item = ROWS_MAX / group;
-    const int64_t token_blocks = (q_len + tokens_per_item - 1) / tokens_per_item;
-    const int64_t offset = kv_len - q_len;
-    const float scale_log2 = scale * 1.44269504088896341f;
-    int failed = 0;
-    _Pragma("omp parallel num_threads(threads)") {
-        Scratch* s = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
-        if (!s) {
-            _Pragma("omp atomic write") failed = 1;
-        }
-        /* the longest items (last tokens: the most keys) first */
-        _Pragma("omp for schedule(dynamic, 1)")
-        for (int64_t item = 0; item < kv_heads * token_blocks; ++item) {
-            if (!s) continue;
-            const int64_t tb = token_blocks - 1 - item / kv_heads, h = item % kv_heads;
-            const int64_t t0 = tb * tokens_per_item;
-            const int64_t n = q_len - t0 < tokens_per_item ? q_len - t0 : tokens_per_item;
-            attend(q, q_stride, out, out_stride, kp + h * num_blocks * block_words,
-                   vp + h * num_blocks * block_words, num_blocks, offset, h, group, dim, t0, n,
-                   scale_log2, s);
-        }
-        free(s);
-    }
-    free(kp);
-    free(vp);
-    return failed ? -2 : 0;
+    const int64_t cu_q[2] = {0, q_len}, cu_k[2] = {0, kv_len};
+    return run(q, q_stride, k, k_stride, v, v_stride, out, out_stride, cu_q, cu_k, 1, heads,
+               kv_heads, dim, scale, 1, threads);
+}
+
+int self_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+                        const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t out_stride,
+                        const int64_t* cu_seqlens, int64_t num_seqs, int64_t heads,
+                        int64_t kv_heads, int64_t dim, float scale, int causal, int threads) {
+    return run(q, q_stride, k, k_stride, v, v_stride, out, out_stride, cu_seqlens, cu_seqlens,
+               num_seqs, heads, kv_heads, dim, scale, causal, threads);
 }
 
 #else /* no AVX-512 BF16 in this build: the callers keep SDPA */
@@ -287,6 +343,16 @@ int prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* 
     (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
     (void)out_stride, (void)q_len, (void)kv_len, (void)heads, (void)kv_heads, (void)dim;
     (void)scale, (void)threads;
+    return -1;
+}
+
+int self_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+                        const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t out_stride,
+                        const int64_t* cu_seqlens, int64_t num_seqs, int64_t heads,
+                        int64_t kv_heads, int64_t dim, float scale, int causal, int threads) {
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
+    (void)out_stride, (void)cu_seqlens, (void)num_seqs, (void)heads, (void)kv_heads, (void)dim;
+    (void)scale, (void)causal, (void)threads;
     return -1;
 }
 

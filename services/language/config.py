@@ -47,7 +47,7 @@ class LanguageConfig:
         "auto",
         help="kernel of prefill attention: auto (native where it runs, else sdpa) | sdpa "
         "(torch's scaled_dot_product_attention, the reference) | native (a C kernel on AVX-512 "
-        "BF16 for bf16 on a CPU, head_dim a multiple of 32 up to 256; ~2.4x SDPA's speed, "
+        "BF16 for bf16 on a CPU, head_dim a multiple of 16 up to 256; ~2.4x SDPA's speed, "
         "as accurate, not bit-equal; an error where it cannot run)",
     )
     kv_cache_memory_fraction: float = field(

@@ -321,6 +321,7 @@ def sdpa_bf16(q, k, v, scale):
         (33, 33, 28, 4, 128),  # a group of 7 (Qwen2.5-VL-7B): rows not a multiple of 4
         (200, 1300, 4, 4, 64),  # no GQA, a long prefix
         (64, 64, 2, 2, 256),  # the widest head
+        (40, 90, 16, 16, 80),  # a head of 80: 16 lanes past the last 64
     ],
 )
 def test_prefill_attention_is_as_accurate_as_sdpa(q_len, kv_len, heads, kv_heads, dim):
@@ -356,8 +357,8 @@ def test_prefill_attention_reads_and_writes_rows_of_wider_tensors():
     assert not out_all[:10].any() and not out_all[30:].any()
 
 
-def test_prefill_attention_fits_bf16_within_the_kernels_limits():
-    fits = KERNELS.prefill_attention_fits
+def test_attention_fits_bf16_within_the_kernels_limits():
+    fits = KERNELS.attention_fits
     bf16 = torch.bfloat16
     if not PREFILL:  # this build has no AVX-512 BF16: never
         assert not fits(bf16, 4, 2, 64)
@@ -365,8 +366,53 @@ def test_prefill_attention_fits_bf16_within_the_kernels_limits():
     assert fits(bf16, 4, 2, 64) and fits(bf16, 16, 2, 128) and fits(bf16, 28, 4, 128)
     assert fits(bf16, 4, 4, 32) and fits(bf16, 2, 2, 256)
     assert not fits(torch.float32, 4, 2, 64)  # bf16 only
-    assert not fits(bf16, 16, 2, 80) and not fits(bf16, 4, 2, 512)  # head_dim
+    assert fits(bf16, 16, 16, 80)  # Qwen2(.5)-VL's vision heads
+    assert not fits(bf16, 16, 16, 72) and not fits(bf16, 4, 2, 512)  # head_dim (Qwen3-VL's ViT)
     assert not fits(bf16, 6, 4, 64) and not fits(bf16, 4, 0, 64) and not fits(bf16, 64, 1, 64)
     with pytest.raises(ValueError, match="do not fit the kernel"):
-        q = torch.zeros(2, 4, 80, dtype=bf16)
+        q = torch.zeros(2, 4, 72, dtype=bf16)
         KERNELS.prefill_attention(q, q[:, :2], q[:, :2], torch.empty_like(q), 1.0)
+
+
+def sdpa_per_piece(q, k, v, cu_seqlens, scale, causal, upcast):
+    """SDPA within each piece ``cu_seqlens`` cuts, in float32 (``upcast``: the reference) or in
+    the tensors' bf16 (what a per-piece SDPA gives); float32 rows out."""
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        piece = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
+        piece = [t.float() for t in piece] if upcast else piece
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *piece, scale=scale, is_causal=causal, enable_gqa=True
+        )
+        outs.append(out[0].transpose(0, 1).float())
+    return torch.cat(outs)
+
+
+@requires_prefill
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (16, 16, 80), (4, 2, 64)])
+def test_self_attention_stays_within_each_piece(causal, heads, kv_heads, dim):
+    """Pieces as a vision tower cuts them (windows of 64 patches, a whole image, a piece shorter
+    than a key block, an empty one) in one call: each attends within itself only, as accurately
+    as SDPA in bf16 per piece."""
+    gen = torch.Generator().manual_seed(dim + causal)
+    cu = torch.tensor([0, 64, 64, 256, 5, 0, 64]).cumsum(0)
+    total = int(cu[-1])
+    q = (3 * torch.randn(total, heads, dim, generator=gen)).bfloat16()
+    k = (3 * torch.randn(total, kv_heads, dim, generator=gen)).bfloat16()
+    v = torch.randn(total, kv_heads, dim, generator=gen).bfloat16()
+    out = KERNELS.self_attention(q, k, v, torch.empty_like(q), cu, dim**-0.5, causal)
+    want = sdpa_per_piece(q, k, v, cu, dim**-0.5, causal, upcast=True)
+    theirs = (sdpa_per_piece(q, k, v, cu, dim**-0.5, causal, upcast=False) - want).abs()
+    ours = (out.float() - want).abs()
+    assert ours.max() <= theirs.max() + 2**-8 * want.abs().max()
+    assert ours.mean() <= 1.05 * theirs.mean()
+
+
+@requires_prefill
+def test_self_attention_refuses_offsets_that_do_not_cut_the_rows():
+    q = torch.zeros(10, 4, 32, dtype=torch.bfloat16)
+    for cu in ([0, 4, 9], [1, 10], [0, 6, 4, 10]):
+        with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to 10"):
+            KERNELS.self_attention(q, q, q, torch.empty_like(q), torch.tensor(cu), 1.0)
