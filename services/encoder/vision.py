@@ -17,7 +17,7 @@ import torch
 from common.compute import prepare_device, resolve_compute
 from common.linear_kernels import use_linear_kernel
 from common.models import checkpoint_files
-from common.native_kernels import resolve_cpu_kernels, use_native_rms_norms
+from common.native_kernels import NativeKernels, resolve_cpu_kernels, use_native_rms_norms
 
 from .checkpoint import VISION_CLASS, Checkpoint
 from .patch_embed import patch_embed_as_linear
@@ -110,8 +110,13 @@ class VisionTower:
             logger.info("vision tower: %d RMSNorms on the native kernel", num)
         self.attention = "per_piece"
         rotate = rotate_qk if native is None else native.rotate_qk
-        if attention == "grouped" and use_grouped_attention(self.module, rotate):
-            self.attention = "grouped"
+        kernel = None
+        if attention == "native":
+            kernel = native_attention(self.module, native, self.dtype)
+        if attention != "per_piece" and use_grouped_attention(self.module, rotate, kernel):
+            self.attention = attention
+        elif attention == "native":
+            raise RuntimeError("vision_attention native: the tower's attention is not SDPA's")
         logger.info("vision tower: attention %s", self.attention)
         self.row_width = checkpoint.row_width
         self.merge_size = int(checkpoint.config.vision_config.spatial_merge_size)
@@ -133,3 +138,21 @@ class VisionTower:
         """Per-image views of ``forward``'s output."""
         sizes = [t * h * w // self.merge_size**2 for t, h, w in grids]
         return list(torch.split(rows, sizes))
+
+
+def native_attention(
+    module: torch.nn.Module, native: NativeKernels | None, dtype: torch.dtype
+) -> NativeKernels:
+    """The kernels whose ``self_attention`` the tower's attention takes (``vision_attention``
+    native); raises ``RuntimeError`` naming why where it cannot run."""
+    config = module.config
+    heads = int(config.num_heads)
+    head_dim = int(getattr(config, "embed_dim", None) or config.hidden_size) // heads
+    if native is None:
+        raise RuntimeError("vision_attention native: no native CPU kernels (cpu_kernels)")
+    if not native.attention_fits(dtype, heads, heads, head_dim):
+        raise RuntimeError(
+            f"vision_attention native: the kernel takes bf16 on a CPU with AVX-512 BF16 and "
+            f"head_dim a multiple of 16 up to 256 (here {dtype}, {heads} heads of {head_dim})"
+        )
+    return native
