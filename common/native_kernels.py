@@ -177,8 +177,8 @@ class NativeKernels:
         for name, argtypes in BF16_SIGNATURES.items():
             fn = getattr(self._lib, f"{name}_bf16")
             fn.argtypes, fn.restype = argtypes, RETURNS.get(name)
-        # whether this build has the AVX-512 BF16 prefill attention (else it answers -1)
-        self.has_prefill_attention = bool(self._lib.prefill_attention_available())
+        # whether this build has the AVX-512 BF16 attention kernels (else they answer -1)
+        self.has_bf16_attention = bool(self._lib.bf16_attention_available())
 
     def _fn(self, name: str, dtype: torch.dtype):
         return getattr(self._lib, f"{name}_{DTYPE_SUFFIX[dtype]}")
@@ -324,7 +324,7 @@ class NativeKernels:
         CPU with AVX-512 BF16, a head_dim and GQA group within the kernels' limits."""
         group = heads // kv_heads if kv_heads else 0
         return (
-            self.has_prefill_attention
+            self.has_bf16_attention
             and dtype == torch.bfloat16
             and group * kv_heads == heads
             and 0 < group <= ATTENTION_MAX_GROUP

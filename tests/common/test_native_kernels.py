@@ -283,7 +283,7 @@ def test_decode_attention_fits_small_gqa_groups_only():
         )  # fmt: skip
 
 
-PREFILL = KERNELS is not None and KERNELS.has_prefill_attention
+PREFILL = KERNELS is not None and KERNELS.has_bf16_attention
 requires_prefill = pytest.mark.skipif(not PREFILL, reason="no AVX-512 BF16 prefill attention here")
 
 

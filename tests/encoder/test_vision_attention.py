@@ -91,7 +91,7 @@ NATIVE, _ = load_native_kernels()
 
 
 @pytest.mark.skipif(
-    NATIVE is None or not NATIVE.has_prefill_attention, reason="no native attention kernel here"
+    NATIVE is None or not NATIVE.has_bf16_attention, reason="no native attention kernel here"
 )
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_rows_are_as_close_to_float32_as_grouped_rows(arch, model_dirs) -> None:

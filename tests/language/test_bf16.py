@@ -47,7 +47,7 @@ TOP = 5
 ONEDNN, WHY_NOT = onednn_usable(torch.device("cpu"), torch.bfloat16)
 NATIVE, WHY_NO_NATIVE = load_native_kernels()
 NATIVE_BF16, WHY_EMULATED = cpu_native_bf16()
-PREFILL_KERNEL = NATIVE is not None and NATIVE.has_prefill_attention
+PREFILL_KERNEL = NATIVE is not None and NATIVE.has_bf16_attention
 # (linear kernel, CPU kernels, prefill attention) of the engines compared with the reference
 ENGINES = [("plain", "torch", "sdpa")]
 ENGINES += [("onednn", "torch", "sdpa")] if ONEDNN else []
