@@ -78,22 +78,11 @@ SIGNATURES = {  # C function (without the dtype suffix) -> argument types
 }
 # kernels in bf16 only (the function's name ends in _bf16 alone)
 BF16_SIGNATURES = {
-    "prefill_attention": (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, *(_i64,) * 6, _f32, _int),
-    "self_attention": (
-        _ptr,
-        _i64,
-        _ptr,
-        _i64,
-        _ptr,
-        _i64,
-        _ptr,
-        _i64,
-        _ptr,
-        *(_i64,) * 4,
-        _f32,
-        _int,
-        _int,
-    ),  # fmt: skip
+    # (q, its row stride), (k, ...), (v, ...), (out, ...), 5 sizes, scale, threads
+    "prefill_attention": (*(_ptr, _i64) * 4, *(_i64,) * 5, _f32, _int),
+    # (q, its row stride), (k, ...), (v, ...), (out, ...), cu_seqlens, 4 sizes, scale, causal,
+    # threads
+    "self_attention": (*(_ptr, _i64) * 4, _ptr, *(_i64,) * 4, _f32, _int, _int),
 }
 RETURNS = {
     "decode_attention": ctypes.c_int,
@@ -340,21 +329,15 @@ class NativeKernels:
         head_dim]``, the chunk's own keys last: query ``i`` sees keys ``0 .. kv_len - q_len +
         i``. Returns ``out``. Only where ``attention_fits``."""
         q, k, v = _heads(q), _heads(k), _heads(v)
-        if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
-            raise ValueError("prefill_attention writes rows of contiguous heads")
+        _check_out_rows(out, "prefill_attention")
         (q_len, heads, dim), (kv_len, kv_heads) = q.shape, k.shape[:2]
         code = self._lib.prefill_attention_bf16(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             out.data_ptr(), out.stride(0), q_len, kv_len, heads, kv_heads, dim, scale,
             torch.get_num_threads(),
         )  # fmt: skip
-        if code == -1:
-            raise ValueError(
-                f"prefill_attention: {q_len} queries of {heads} heads over {kv_len} keys of "
-                f"{kv_heads} KV heads of {dim} do not fit the kernel (or it is not built here)"
-            )
-        if code:
-            raise MemoryError("prefill_attention: no memory for its packed keys")
+        shape = f"{q_len} queries of {heads} heads over {kv_len} keys of {kv_heads} KV heads"
+        _check_attention_code(code, "prefill_attention", f"{shape} of {dim}")
         return out
 
     def self_attention(
@@ -373,8 +356,7 @@ class NativeKernels:
         (``causal``: the ones before it and itself). Written into ``out``, returned. Only where
         ``attention_fits``."""
         q, k, v = _heads(q), _heads(k), _heads(v)
-        if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
-            raise ValueError("self_attention writes rows of contiguous heads")
+        _check_out_rows(out, "self_attention")
         cu = cu_seqlens.to(torch.int64).contiguous()
         if int(cu[0]) != 0 or int(cu[-1]) != q.shape[0] or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"self_attention: cu_seqlens must rise from 0 to {q.shape[0]}")
@@ -384,14 +366,24 @@ class NativeKernels:
             out.data_ptr(), out.stride(0), cu.data_ptr(), cu.shape[0] - 1, heads, k.shape[1],
             dim, scale, int(causal), torch.get_num_threads(),
         )  # fmt: skip
-        if code == -1:
-            raise ValueError(
-                f"self_attention: {heads} heads over {k.shape[1]} KV heads of {dim} do not fit "
-                "the kernel (or it is not built here)"
-            )
-        if code:
-            raise MemoryError("self_attention: no memory for its packed keys")
+        _check_attention_code(
+            code, "self_attention", f"{heads} heads over {k.shape[1]} KV heads of {dim}"
+        )
         return out
+
+
+def _check_out_rows(out: torch.Tensor, what: str) -> None:
+    """The attention kernels write ``out`` ``[rows, heads, dim]`` rows of contiguous heads."""
+    if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
+        raise ValueError(f"{what} writes rows of contiguous heads")
+
+
+def _check_attention_code(code: int, what: str, shape: str) -> None:
+    """An attention kernel's return code as the error it stands for (0: none)."""
+    if code == -1:
+        raise ValueError(f"{what}: {shape} do not fit the kernel (or it is not built here)")
+    if code:
+        raise MemoryError(f"{what}: no memory for its packed keys")
 
 
 def _threads(num_values: int) -> int:
