@@ -16,7 +16,7 @@ from common.worker import WorkerConfig
 from .aux_extra import extra_size_bound, max_images_that_fit
 
 ENV_PREFIX = "EPD_ENCODER_"
-VISION_ATTENTIONS = ("grouped", "per_piece", "native")
+VISION_ATTENTIONS = ("auto", "grouped", "per_piece", "native")
 SENDERS = ("transfer", "none")
 
 
@@ -54,13 +54,14 @@ class EncoderConfig:
         "compiler; an error where they cannot run)",
     )
     vision_attention: str = field(
-        "grouped",
-        help="how the vision tower attends within each image (and window): grouped (our forward: "
-        "equal-length pieces of a batch in one SDPA call each, rotary in a few passes; the same "
-        "arithmetic) | per_piece (transformers' own forward, one SDPA call per piece) | native "
-        "(the grouped forward with every piece in one C kernel call per layer: bf16 on a CPU "
-        "with AVX-512 BF16, head_dim a multiple of 16; as accurate as SDPA, not bit-equal; an "
-        "error where it cannot run)",
+        "auto",
+        help="how the vision tower attends within each image (and window): auto (native where "
+        "it runs, else grouped) | grouped (our forward: equal-length pieces of a batch in one "
+        "SDPA call each, rotary in a few passes; the same arithmetic as transformers) | "
+        "per_piece (transformers' own forward, one SDPA call per piece) | native (the grouped "
+        "forward with every piece in one C kernel call per layer: bf16 on a CPU with AVX-512 "
+        "BF16, head_dim a multiple of 16; as accurate as SDPA, not bit-equal; an error where it "
+        "cannot run)",
     )
     # intake
     max_image_bytes: int = field(20 << 20, help="largest encoded image accepted, in bytes")

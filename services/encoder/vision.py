@@ -80,7 +80,7 @@ class VisionTower:
         device: str = "auto",
         dtype: str = "auto",
         linear_kernel: str = "auto",
-        attention: str = "grouped",
+        attention: str = "auto",
         cpu_kernels: str = "auto",
     ) -> None:
         from transformers.initialization import no_init_weights
@@ -108,13 +108,11 @@ class VisionTower:
         if native is not None:
             num = use_native_rms_norms(self.module, native)
             logger.info("vision tower: %d RMSNorms on the native kernel", num)
-        self.attention = "per_piece"
         rotate = rotate_qk if native is None else native.rotate_qk
-        kernel = None
-        if attention == "native":
-            kernel = native_attention(self.module, native, self.dtype)
+        kernel = vision_attention_kernel(attention, self.module, native, self.dtype)
+        self.attention = "per_piece"
         if attention != "per_piece" and use_grouped_attention(self.module, rotate, kernel):
-            self.attention = attention
+            self.attention = "grouped" if kernel is None else "native"
         elif attention == "native":
             raise RuntimeError("vision_attention native: the tower's attention is not SDPA's")
         logger.info("vision tower: attention %s", self.attention)
@@ -140,19 +138,29 @@ class VisionTower:
         return list(torch.split(rows, sizes))
 
 
-def native_attention(
-    module: torch.nn.Module, native: NativeKernels | None, dtype: torch.dtype
-) -> NativeKernels:
-    """The kernels whose ``self_attention`` the tower's attention takes (``vision_attention``
-    native); raises ``RuntimeError`` naming why where it cannot run."""
+def vision_attention_kernel(
+    choice: str, module: torch.nn.Module, native: NativeKernels | None, dtype: torch.dtype
+) -> NativeKernels | None:
+    """The kernels whose ``self_attention`` the tower's attention takes under the
+    ``vision_attention`` setting, or None for SDPA. ``auto`` takes the native kernel where it
+    runs (the native CPU kernels loaded, bf16, AVX-512 BF16, a head_dim it takes) and logs why
+    not elsewhere; ``native`` raises ``RuntimeError`` naming why where it cannot run."""
+    if choice in ("grouped", "per_piece"):
+        return None
     config = module.config
     heads = int(config.num_heads)
     head_dim = int(getattr(config, "embed_dim", None) or config.hidden_size) // heads
+    why = ""
     if native is None:
-        raise RuntimeError("vision_attention native: no native CPU kernels (cpu_kernels)")
-    if not native.attention_fits(dtype, heads, heads, head_dim):
-        raise RuntimeError(
-            f"vision_attention native: the kernel takes bf16 on a CPU with AVX-512 BF16 and "
-            f"head_dim a multiple of 16 up to 256 (here {dtype}, {heads} heads of {head_dim})"
+        why = "no native CPU kernels (cpu_kernels)"
+    elif not native.attention_fits(dtype, heads, heads, head_dim):
+        why = (
+            f"the kernel takes bf16 on a CPU with AVX-512 BF16 and head_dim a multiple of 16 up "
+            f"to 256 (here {dtype}, {heads} heads of {head_dim})"
         )
-    return native
+    if not why:
+        return native
+    if choice == "native":
+        raise RuntimeError(f"vision_attention native: {why}")
+    logger.info("vision tower: no native attention (%s)", why)
+    return None

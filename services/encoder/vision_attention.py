@@ -16,9 +16,10 @@ folded in, in-place products; bit-equal to ``apply_rotary_pos_emb_vision``, whic
 passes and was a third of a small tower's time). On a CPU in bf16 the native kernel of the same
 contract (``common/native_kernels.py``) does it in one pass, bit for bit the same.
 
-With ``native`` kernels given (``vision_attention`` ``native``: bf16 on a CPU with AVX-512 BF16),
-the pieces attend in one C call per layer instead (``NativeKernels.self_attention``, every piece
-of the batch, windows and images alike): as accurate as SDPA in bf16, not bit-equal to it.
+With ``native`` kernels given (``vision_attention`` ``auto`` or ``native``: bf16 on a CPU with
+AVX-512 BF16), the pieces attend in one C call per layer instead
+(``NativeKernels.self_attention``, every piece of the batch, windows and images alike): as
+accurate as SDPA in bf16, not bit-equal to it.
 Measured on 2 cores (Zen 4, bf16): the demo tower 16.7 -> 13.4 ms per 448² image, the Qwen2.5-VL
 widths (head_dim 80) 490 -> 466 ms.
 """

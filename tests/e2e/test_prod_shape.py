@@ -65,7 +65,9 @@ def ask_bf16_encoder(
     in ``language_dtype`` (its prefill attention ``attention``) over Mooncake, and its greedy
     answer (with log-probabilities) to PROMPT and ``image``."""
     env = {**MOONCAKE, "EPD_ENCODER_DTYPE": "bfloat16", "EPD_LANGUAGE_DTYPE": language_dtype}
-    env |= {"EPD_ENCODER_LINEAR_KERNEL": encoder_kernel}
+    # the vision tower attends with SDPA as the reference does (auto's native kernel rounds
+    # elsewhere; tests/encoder/test_vision_attention.py bounds it)
+    env |= {"EPD_ENCODER_LINEAR_KERNEL": encoder_kernel, "EPD_ENCODER_VISION_ATTENTION": "grouped"}
     stack = stack_factory(model_dir, env={**env, "EPD_LANGUAGE_PREFILL_ATTENTION": attention})
     with stack.client() as client:
         reply = client.generate(

@@ -138,6 +138,7 @@ def test_bf16_rows_match_transformers_bf16_tower(model_dirs, arch, kernel, cpu_k
         cache_mb=0,
         linear_kernel=kernel,
         cpu_kernels=cpu_kernels,
+        vision_attention="grouped",  # SDPA, as the reference attends
     )
     pipe = EncoderPipeline(path, config)
     ref = HFReference(path)

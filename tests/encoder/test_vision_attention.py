@@ -122,3 +122,19 @@ def test_native_attention_says_why_it_cannot_run(model_dirs) -> None:
         VisionTower(checkpoint, "cpu", "float32", attention="native")
     with pytest.raises(RuntimeError, match="vision_attention native: no native CPU kernels"):
         VisionTower(checkpoint, "cpu", "bfloat16", attention="native", cpu_kernels="torch")
+
+
+def test_auto_takes_the_native_kernel_where_it_runs(model_dirs, caplog) -> None:
+    """``auto`` (the default): the native kernel in bf16 where it runs, the grouped SDPA forward
+    in float32 and without the native CPU kernels, each with the reason in the log."""
+    checkpoint = load_checkpoint(model_dirs["qwen2_5_vl"])
+    assert EncoderConfig().vision_attention == "auto"
+    with caplog.at_level("INFO", logger="services.encoder.vision"):
+        fp32 = VisionTower(checkpoint, "cpu", "float32")
+        no_native = VisionTower(checkpoint, "cpu", "bfloat16", cpu_kernels="torch")
+        bf16 = VisionTower(checkpoint, "cpu", "bfloat16")
+    assert fp32.attention == no_native.attention == "grouped"
+    assert "no native attention (the kernel takes bf16" in caplog.text
+    assert "no native attention (no native CPU kernels" in caplog.text
+    runs = NATIVE is not None and NATIVE.has_bf16_attention
+    assert bf16.attention == ("native" if runs else "grouped")
