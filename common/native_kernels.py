@@ -57,9 +57,11 @@ from common.models.tiny import cache_root
 
 logger = logging.getLogger(__name__)
 
-# built into one library: the element-wise kernels and decode attention, prefill attention
+# built into one library: the element-wise kernels and decode attention, prefill attention, the
+# LM head
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("native_kernels.c", "native_prefill_attention.c")
+    Path(__file__).with_name(name)
+    for name in ("native_kernels.c", "native_prefill_attention.c", "native_lm_head.c")
 )
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 CPU_KERNELS = ("auto", "torch", "native")
@@ -83,12 +85,20 @@ BF16_SIGNATURES = {
     # (q, its row stride), (k, ...), (v, ...), (out, ...), cu_seqlens, 4 sizes, scale, causal,
     # threads
     "self_attention": (*(_ptr, _i64) * 4, _ptr, *(_i64,) * 4, _f32, _int, _int),
+    # weight, vocab, dim, packed
+    "lm_head_pack": (_ptr, _i64, _i64, _ptr),
+    # (x, its row stride), rows, packed, vocab, dim, (logits, its row stride), best value,
+    # best index, threads
+    "lm_head": (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int),
 }
 RETURNS = {
     "decode_attention": ctypes.c_int,
     "prefill_attention": ctypes.c_int,
     "self_attention": ctypes.c_int,
+    "lm_head_pack": ctypes.c_int,
+    "lm_head": ctypes.c_int,
 }
+LM_HEAD_COLS = 16  # vocabulary columns per block of the packed LM head
 # the bf16 attention kernels' limits (head_dim a multiple of 16 up to 256, at most 32 query heads
 # per KV head); they run where the CPU has AVX-512 BF16 (``attention_fits``)
 ATTENTION_DIM_STEP, ATTENTION_MAX_DIM, ATTENTION_MAX_GROUP = 16, 256, 32
@@ -166,8 +176,10 @@ class NativeKernels:
         for name, argtypes in BF16_SIGNATURES.items():
             fn = getattr(self._lib, f"{name}_bf16")
             fn.argtypes, fn.restype = argtypes, RETURNS.get(name)
-        # whether this build has the AVX-512 BF16 attention kernels (else they answer -1)
+        # whether this build has the AVX-512 BF16 attention and LM head kernels (else they
+        # answer -1)
         self.has_bf16_attention = bool(self._lib.bf16_attention_available())
+        self.has_bf16_lm_head = bool(self._lib.lm_head_available())
 
     def _fn(self, name: str, dtype: torch.dtype):
         return getattr(self._lib, f"{name}_{DTYPE_SUFFIX[dtype]}")
@@ -370,6 +382,68 @@ class NativeKernels:
             code, "self_attention", f"{heads} heads over {k.shape[1]} KV heads of {dim}"
         )
         return out
+
+    def lm_head_fits(self, dtype: torch.dtype, dim: int) -> bool:
+        """True where ``lm_head_logits`` / ``lm_head_maxima`` run for a model: bf16 on a CPU with
+        AVX-512 BF16, an even hidden size."""
+        return self.has_bf16_lm_head and dtype == torch.bfloat16 and dim > 0 and dim % 2 == 0
+
+    def pack_lm_head(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[vocab, dim]`` (bf16) in the head kernel's layout: blocks of 16
+        vocabulary columns, each ``[dim / 2][16][2]`` (see ``common/native_lm_head.c``)."""
+        vocab, dim = weight.shape
+        if weight.dtype != torch.bfloat16 or dim % 2:
+            raise ValueError(f"pack_lm_head takes bf16 [vocab, even dim], got {weight.dtype} {dim}")
+        weight = weight.contiguous()
+        blocks = -(-vocab // LM_HEAD_COLS)
+        packed = torch.empty(blocks * LM_HEAD_COLS * dim, dtype=torch.bfloat16)
+        if self._lib.lm_head_pack_bf16(weight.data_ptr(), vocab, dim, packed.data_ptr()):
+            raise ValueError(f"pack_lm_head: a dim of {dim} does not fit the kernel")
+        return packed
+
+    def lm_head_logits(self, x: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Logits ``[n, vocab]`` (bf16) of ``x`` ``[n, dim]`` (bf16) against ``pack_lm_head``'s
+        ``packed`` weight: float32 sums rounded to bf16. Only where ``lm_head_fits``."""
+        out = torch.empty(x.shape[0], vocab, dtype=torch.bfloat16)
+        self._lm_head(x, packed, vocab, out, None, None)
+        return out
+
+    def lm_head_maxima(
+        self, x: torch.Tensor, packed: torch.Tensor, vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's largest logit (float32 ``[n]``, of the bf16-rounded logits) and the first
+        column holding it (long ``[n]``), the logits themselves never written: what ``row_max``
+        of ``lm_head_logits`` gives, except that a row with a NaN or +inf logit has NaN as its
+        maximum. Only where ``lm_head_fits``."""
+        values = torch.empty(x.shape[0], dtype=torch.float32)
+        indices = torch.empty(x.shape[0], dtype=torch.long)
+        self._lm_head(x, packed, vocab, None, values, indices)
+        return values, indices
+
+    def _lm_head(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        vocab: int,
+        logits: torch.Tensor | None,
+        values: torch.Tensor | None,
+        indices: torch.Tensor | None,
+    ) -> None:
+        rows = _rows(x)
+        dim = rows.shape[1]
+        blocks = -(-vocab // LM_HEAD_COLS)
+        if rows.dtype != torch.bfloat16 or packed.numel() != blocks * LM_HEAD_COLS * dim:
+            raise ValueError(f"lm_head: bf16 rows of {dim} do not match the packed head")
+        code = self._lib.lm_head_bf16(
+            rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), vocab, dim,
+            None if logits is None else logits.data_ptr(), vocab,
+            None if values is None else values.data_ptr(),
+            None if indices is None else indices.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if code == -1:
+            raise ValueError(f"lm_head: rows of {dim} do not fit the kernel (or it is not built)")
+        if code:
+            raise MemoryError("lm_head: no memory for its packed rows")
 
 
 def _check_out_rows(out: torch.Tensor, what: str) -> None:

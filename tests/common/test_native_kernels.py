@@ -416,3 +416,72 @@ def test_self_attention_refuses_offsets_that_do_not_cut_the_rows():
     for cu in ([0, 4, 9], [1, 10], [0, 6, 4, 10]):
         with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to 10"):
             KERNELS.self_attention(q, q, q, torch.empty_like(q), torch.tensor(cu), 1.0)
+
+
+LM_HEAD = KERNELS is not None and KERNELS.has_bf16_lm_head
+requires_lm_head = pytest.mark.skipif(not LM_HEAD, reason="no AVX-512 BF16 LM head kernel here")
+
+
+@requires_lm_head
+@pytest.mark.parametrize(
+    "rows,dim,vocab",
+    [
+        (1, 64, 16),  # one row, one block
+        (13, 256, 1000),  # 8 + 4 + 1 rows a pass; the last block 8 columns wide
+        (16, 128, 4099),  # a whole pass; 3 columns in the last block
+        (37, 2048, 515),  # 2 passes of 16 and 4 + 1; a wide hidden size
+        (5, 6, 33),  # a hidden size that is no multiple of 16
+    ],
+)
+def test_lm_head_is_as_accurate_as_a_bf16_linear(rows, dim, vocab):
+    """Against float32 on the same bf16 inputs, the head's logits are within one bf16 step of
+    what ``F.linear`` in bf16 gives (float32 sums rounded once, in another order); its maxima
+    are ``row_max`` of its own logits exactly."""
+    from services.language.engine.sampling import row_max
+
+    gen = torch.Generator().manual_seed(rows * dim + vocab)
+    weight = (torch.randn(vocab, dim, generator=gen) * dim**-0.5).bfloat16()
+    x = torch.randn(rows, dim, generator=gen).bfloat16()
+    packed = KERNELS.pack_lm_head(weight)
+    logits = KERNELS.lm_head_logits(x, packed, vocab)
+    want = x.float() @ weight.float().T
+    theirs = (torch.nn.functional.linear(x, weight).float() - want).abs()
+    ours = (logits.float() - want).abs()
+    assert logits.shape == (rows, vocab) and logits.dtype == torch.bfloat16
+    assert ours.max() <= theirs.max() + 2**-8 * want.abs().max()
+    values, indices = KERNELS.lm_head_maxima(x, packed, vocab)
+    want_values, want_indices = row_max(logits)
+    assert torch.equal(indices, want_indices) and torch.equal(values, want_values.float())
+
+
+@requires_lm_head
+def test_lm_head_maxima_take_the_first_of_equal_logits_and_flag_non_finite_rows():
+    dim, vocab = 32, 70
+    weight = torch.zeros(vocab, dim, dtype=torch.bfloat16)
+    weight[[5, 21, 69], 0] = 1.0  # three columns tie for the maximum, in three blocks
+    weight[40, 1] = 1.0
+    x = torch.zeros(4, dim, dtype=torch.bfloat16)
+    x[0, 0] = 2.0  # columns 5, 21, 69 all 2: the first one
+    x[1, 1] = 3.0  # column 40 alone
+    x[2, 0] = float("nan")  # NaN logits
+    x[3, 1] = float("inf")  # +inf at column 40
+    values, indices = KERNELS.lm_head_maxima(x, KERNELS.pack_lm_head(weight), vocab)
+    assert indices[:2].tolist() == [5, 40] and values[:2].tolist() == [2.0, 3.0]
+    assert values[2:].isnan().all()
+
+
+@requires_lm_head
+def test_lm_head_reads_rows_of_a_wider_tensor_and_refuses_a_mismatched_head():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(50, 64, generator=gen).bfloat16()
+    wide = torch.randn(6, 96, generator=gen).bfloat16()
+    packed = KERNELS.pack_lm_head(weight)
+    got = KERNELS.lm_head_logits(wide[:, :64], packed, 50)
+    assert torch.equal(got, KERNELS.lm_head_logits(wide[:, :64].contiguous(), packed, 50))
+    with pytest.raises(ValueError, match="do not match the packed head"):
+        KERNELS.lm_head_logits(wide[:, :32], packed, 50)
+    with pytest.raises(ValueError, match="pack_lm_head takes bf16"):
+        KERNELS.pack_lm_head(torch.zeros(4, 7, dtype=torch.bfloat16))
+    assert KERNELS.lm_head_fits(torch.bfloat16, 64)
+    assert not KERNELS.lm_head_fits(torch.float32, 64)
+    assert not KERNELS.lm_head_fits(torch.bfloat16, 7)

@@ -19,9 +19,16 @@ The native prefill attention (``auto``'s choice in bf16 on a CPU with AVX-512 BF
 accurate as SDPA but rounds elsewhere (its own key blocks, exponential and sums), so an engine
 on it is not the reference's arithmetic: it is held to ``BF16_KERNEL_LOGPROB_TOL``, and the
 kernel itself to SDPA's error against float32 in ``tests/common/test_native_kernels.py``.
+
+The native LM head (with the native CPU kernels, in bf16 on a CPU with AVX-512 BF16) sums in
+another order than a bf16 ``linear``: its engines are held to the reference's bounds, and a step
+whose rows are all greedy takes each row's maximum from the head itself, the same tokens as the
+maximum of its logits.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -48,6 +55,7 @@ ONEDNN, WHY_NOT = onednn_usable(torch.device("cpu"), torch.bfloat16)
 NATIVE, WHY_NO_NATIVE = load_native_kernels()
 NATIVE_BF16, WHY_EMULATED = cpu_native_bf16()
 PREFILL_KERNEL = NATIVE is not None and NATIVE.has_bf16_attention
+LM_HEAD_KERNEL = NATIVE is not None and NATIVE.has_bf16_lm_head
 # (linear kernel, CPU kernels, prefill attention) of the engines compared with the reference
 ENGINES = [("plain", "torch", "sdpa")]
 ENGINES += [("onednn", "torch", "sdpa")] if ONEDNN else []
@@ -207,3 +215,53 @@ def test_native_prefill_attention_in_chunks_equals_it_whole(arch, harness, ref, 
             for a, b in zip(got[1].logprobs[0].top, want[1].logprobs[0].top, strict=True)
         )
         assert worst <= BF16_LOGPROB_TOL, f"chunked and whole differ by {worst:.4f}"
+
+
+@pytest.mark.skipif(not LM_HEAD_KERNEL, reason="no native LM head (AVX-512 BF16) here")
+def test_greedy_steps_take_the_heads_maxima_the_same_tokens_as_its_logits(ref, engines):
+    """Requests that only take the maximum go through ``maxima`` (no logits made); the same
+    requests with one asking for log-probabilities take the logits path, token for token the
+    same."""
+    engine = engines["onednn" if ONEDNN else "plain", "native", "sdpa"]
+    model = engine.runner.model
+    assert model.has_head_maxima
+    calls = {"maxima": 0}
+    maxima = model.maxima
+
+    def counted(*args):
+        calls["maxima"] += 1
+        return maxima(*args)
+
+    def run(logprobs_for: set[int]) -> dict[str, list[int]]:
+        for i, (_, inputs) in enumerate(cases(ref) * 2):
+            top = TOP if i in logprobs_for else 0
+            params = SamplingParams(max_new_tokens=10, top_logprobs=top, ignore_eos=True)
+            engine.add_request(f"r{i}", params, inputs)
+        outs = run_to_completion(engine)
+        return {rid: [t for o in out for t in o.token_ids] for rid, out in outs.items()}
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model, "maxima", counted)
+        fused = run(set())
+        assert calls["maxima"] >= 10
+        calls["maxima"] = 0
+        assert run({1}) == fused
+        assert calls["maxima"] == 0  # every step had a row that wanted logits
+
+
+@pytest.mark.skipif(not LM_HEAD_KERNEL, reason="no native LM head (AVX-512 BF16) here")
+def test_non_finite_maxima_fail_their_request_only(arch, harness, ref):
+    # a fresh engine: the module's engines hold the clean image's prefix in their radix caches
+    engine = harness(arch).engine(device="cpu", dtype="bfloat16")
+    assert engine.runner.model.has_head_maxima
+    (_, text), (_, image) = cases(ref)
+    rows = image.image_rows.clone()
+    rows[3, 5] = float("nan")
+    poisoned = dataclasses.replace(image, image_rows=rows)
+    alone = generate(engine, text, 6)[0]
+    engine.add_request("text", SamplingParams(max_new_tokens=6), text)
+    engine.add_request("bad", SamplingParams(max_new_tokens=6), poisoned)
+    outs = run_to_completion(engine)
+    assert [t for o in outs["text"] for t in o.token_ids] == alone
+    assert "non-finite logits" in outs["bad"][-1].error
+    assert not engine.requests

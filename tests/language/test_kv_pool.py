@@ -178,7 +178,9 @@ def test_bf16_compute_on_cpu_end_to_end(harness, arch, monkeypatch):
     for dtype in ("float32", "bfloat16"):
         engine = h.engine(dtype=dtype)
         captured.clear()
-        tokens, final = generate(engine, case.inputs, 12)
+        # log-probabilities asked for: greedy steps then sample from the logits (without, a
+        # bf16 engine on the native LM head takes each row's maximum from the head itself)
+        tokens, final = generate(engine, case.inputs, 12, logprobs=True)
         first_logits[dtype] = captured[0][0]
         assert len(tokens) == 12 and all(0 <= t < engine.model_config.vocab_size for t in tokens)
     assert engine.runner.kv_pool.layer(0)[0].dtype == torch.bfloat16

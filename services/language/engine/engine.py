@@ -51,7 +51,13 @@ from services.language.engine.request import (
     RequestStatus,
 )
 from services.language.engine.request_table import RequestTable
-from services.language.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprob
+from services.language.engine.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    greedy_tokens,
+    sample,
+    token_logprob,
+)
 from services.language.engine.scheduler import Scheduler
 from services.language.engine.token_text import TokenTexts
 from services.language.inputs import PromptChunk, PromptInputs
@@ -75,8 +81,8 @@ class LanguageEngine:
         logger.info("language model on %s in %s (%s)", self.device, self.dtype, compute.reason)
         prepare_device(self.device)
         self.model = load_text_model(config.model_path, self.device, self.dtype)
+        native = self.model.use_cpu_kernels(config.cpu_kernels)  # the LM head first
         self.linear_kernel = self.model.use_linear_kernel(config.linear_kernel)  # before sizing
-        native = self.model.use_cpu_kernels(config.cpu_kernels)
         self.cpu_kernels = "torch" if native is None else "native"
         self.model_config = mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
@@ -319,7 +325,9 @@ class LanguageEngine:
             req.prompt_logprobs += entries
         sampled = [c for c in result.chunks if c.sample]
         tokens: list[int | Exception] = []
-        if sampled:
+        if sampled and result.logits is None:  # each row's maximum alone: greedy, nothing else
+            tokens = greedy_tokens(*result.maxima)
+        elif sampled:
             # the raw ``result.logits`` stay the model's: log-probabilities are taken from them
             eos_ids = self.model_config.eos_token_ids
             logits = process_logits(result.logits, [c.req for c in sampled], eos_ids)

@@ -53,9 +53,12 @@ class ChunkInputs:
 class RunResult:
     chunks: list[ScheduledChunk]  # the chunks that ran, in batch order
     # [number of sampled chunks among them, vocab], in the model's dtype, on its device: the
-    # sampler moves to the CPU only what it needs (token ids when greedy)
-    logits: torch.Tensor
+    # sampler moves to the CPU only what it needs (token ids when greedy). None when every
+    # sampled chunk's request takes its logits' maximum alone and the head found it (``maxima``)
+    logits: torch.Tensor | None
     failed: list[tuple[ScheduledChunk, Exception]] = field(default_factory=list)
+    # (largest logit, first token holding it) per sampled chunk, instead of ``logits``
+    maxima: tuple[torch.Tensor, torch.Tensor] | None = None
     # the next prompt log-probabilities of requests that asked for them (see the module doc)
     prompt_logprobs: list[tuple[Request, list[TokenLogprob]]] = field(default_factory=list)
 
@@ -168,6 +171,10 @@ class ModelRunner:
         batch = self.build_batch(decode_groups, parts)
         chunks = decodes + [p.chunk for p in parts]
         if not any(p.chunk.req.wants_prompt_logprobs for p in parts):
+            if self.model.has_head_maxima and all(
+                c.req.takes_row_maximum for c in chunks if c.sample
+            ):
+                return RunResult(chunks, None, failed, self.model.maxima(batch, self.kv_pool))
             return RunResult(chunks, self.model(batch, self.kv_pool), failed)
         hidden = self.model.hidden_states(batch, self.kv_pool)
         result = RunResult(chunks, self.model.head(hidden[batch.logit_rows]), failed)

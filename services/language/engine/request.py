@@ -181,6 +181,18 @@ class Request:
         return wanted and len(self.prompt_logprobs) < self.prompt_len - 1
 
     @property
+    def takes_row_maximum(self) -> bool:
+        """Whether its next token is its logits' first maximum and nothing else is read from
+        them: greedy, no log-probabilities, no logits controls, no structured output."""
+        p = self.params
+        return (
+            p.temperature == 0
+            and not p.wants_logprobs
+            and not p.uses_logits_controls
+            and self.guide is None
+        )
+
+    @property
     def prompt_len(self) -> int:
         return self.num_prompt_tokens
 

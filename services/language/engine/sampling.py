@@ -257,6 +257,19 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class NonFiniteLogitsError(ValueError):
     """The model produced NaN or +inf logits for one request (e.g. from its image rows)."""
 
+    def __init__(self) -> None:
+        super().__init__("the model produced non-finite logits (NaN or +inf)")
+
+
+def greedy_tokens(values: torch.Tensor, indices: torch.Tensor) -> list[int | Exception]:
+    """Greedy rows' tokens from their logits' maxima ``values`` and first indices ``indices``
+    (``row_max``'s, or the LM head's own): a row whose maximum is not finite fails alone."""
+    finite = torch.isfinite(values).tolist()
+    return [
+        token if ok else NonFiniteLogitsError()
+        for ok, token in zip(finite, indices.tolist(), strict=True)
+    ]
+
 
 class Constraint(Protocol):
     """What a row's next token must satisfy (structured output's ``grammar.Guide``)."""
@@ -293,14 +306,12 @@ def sample(
     only to be sampled. A row's failure (a NaN or +inf logit, no allowed token, a sampler
     error) is that request's alone: the other rows are sampled as usual.
     """
-    best_values, best = row_max(logits)
-    finite = torch.isfinite(best_values).tolist()
-    greedy = best.tolist()
+    greedy = greedy_tokens(*row_max(logits))
     out: list[int | Exception | None] = []  # None: a greedy row whose maximum is forbidden
-    for i, (state, ok, token) in enumerate(zip(states, finite, greedy, strict=True)):
+    for i, (state, token) in enumerate(zip(states, greedy, strict=True)):
         constraint = constraints[i] if constraints else None
-        if not ok:
-            out.append(NonFiniteLogitsError("the model produced non-finite logits (NaN or +inf)"))
+        if isinstance(token, Exception):
+            out.append(token)
         elif state.params.temperature == 0 and (constraint is None or constraint.allows(token)):
             out.append(token)
         elif state.params.temperature == 0:

@@ -12,6 +12,7 @@ may round a log-probability's last bits differently on another number of threads
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import nn
@@ -23,7 +24,10 @@ from services.language.kvcache.pool import KVPool
 from services.language.model.batch import ForwardBatch
 from services.language.model.config import TextModelConfig
 from services.language.model.layers import Attention, DecoderLayer, RMSNorm
+from services.language.model.lm_head import NativeLMHead
 from services.language.model.rope import MRotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 # Below all three, a step's decoder layers run on one thread (see the module doc; measured with
 # passive OpenMP threads on 2 cores: one thread wins up to ~150 MFLOP per layer, two from ~300;
@@ -102,6 +106,18 @@ class QwenTextModel(nn.Module):
             return nn.functional.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)
 
+    @property
+    def has_head_maxima(self) -> bool:
+        """Whether ``maxima`` runs (the LM head on the native kernel)."""
+        return isinstance(self.lm_head, NativeLMHead)
+
+    def maxima(self, batch: ForwardBatch, kv_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each requested row's largest logit (float32; NaN where a logit is NaN or +inf) and
+        the first token holding it, the logits never made whole. Only where
+        ``has_head_maxima``."""
+        h = self.norm(self.hidden_states(batch, kv_pool)[batch.logit_rows])
+        return self.lm_head.maxima(h)
+
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Where each of the checkpoint's text tensors goes, by its name there (model prefix
         stripped): the parameters, and for the projections the checkpoint stores apart
@@ -118,8 +134,9 @@ class QwenTextModel(nn.Module):
         return targets
 
     def use_linear_kernel(self, kernel: str) -> str:
-        """Give every linear layer, the LM head included, the kernel ``kernel`` resolves to
-        (see ``common/linear_kernels.py``); returns the one that runs."""
+        """Give every linear layer, the LM head included unless it is on the native kernel
+        (``use_cpu_kernels``, called first), the kernel ``kernel`` resolves to (see
+        ``common/linear_kernels.py``); returns the one that runs."""
         weight = self.embed_tokens.weight
         chosen = use_linear_kernel(self, kernel, weight.device, weight.dtype, "language model")
         if chosen == "onednn" and self.lm_head is None:
@@ -131,10 +148,16 @@ class QwenTextModel(nn.Module):
         """Give every RMSNorm and attention layer (rotary embedding and KV write) the native
         kernels when ``kernel`` resolves to them (see ``common/native_kernels.py``) and return
         them (None: torch's ops); the runner takes their decode attention where it is the
-        faster path."""
+        faster path. The LM head goes on the native head kernel where it runs (bf16 on a CPU
+        with AVX-512 BF16; a tied table stays for the lookups, the head gets a packed copy).
+        Call before ``use_linear_kernel``: an untied head's weight is then still whole."""
         weight = self.embed_tokens.weight
         native = resolve_cpu_kernels(kernel, weight.device, weight.dtype, "language model")
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention)):
                 module.native = native
+        if native is not None and native.lm_head_fits(weight.dtype, self.config.hidden_size):
+            head = weight if self.lm_head is None else self.lm_head.weight
+            self.lm_head = NativeLMHead(head, native)
+            logger.info("language model: LM head on the native kernel (bf16, AVX-512 BF16)")
         return native
