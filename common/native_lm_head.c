@@ -8,7 +8,7 @@
  * c = 16b + lane at [i][lane]. One VDPBF16PS then adds, for one row, two products to each of 16
  * columns' float32 sums, the row's pair (x[2i], x[2i + 1]) broadcast from memory. A pass takes one
  * block for up to ROWS rows (one accumulator register each), so the block is read from memory once
- * and from the cache for the other rows; threads take contiguous ranges of blocks.
+ * and from the cache for the other rows; threads take runs of 64 blocks as they come free.
  *
  * A logit is its float32 sum rounded to bf16 (to nearest even), as a bf16 matrix product's output
  * is: the maximum is taken over the rounded values, the first column wins ties. A row with a NaN
@@ -31,6 +31,7 @@
 #define COLS 16 /* vocabulary columns per block: one float32 register */
 #define ROWS 16 /* rows per pass through a block: one accumulator register each */
 #define PREFETCH_PAIRS 32 /* how far ahead the weights are prefetched: 2 KB */
+#define CHUNK_BLOCKS 64  /* blocks a thread takes at a time (1,024 columns) */
 
 /* the packed weight: [ceil(vocab / 16)][dim / 2][16][2] bf16, columns past vocab zero */
 int lm_head_pack_bf16(const uint16_t* w, int64_t vocab, int64_t dim, uint16_t* packed) {
@@ -160,24 +161,34 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
         r += nr;
     }
     for (int64_t k = 0; partial && k < threads * rows; ++k) partial[k] = (Best){-INFINITY, -1, 0};
+    /* blocks handed out CHUNK_BLOCKS at a time: a thread whose core is busy with another
+     * process takes fewer, instead of the step waiting for its fixed half */
+    const int64_t chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
 #pragma omp parallel num_threads(threads)
     {
-        int t = 0, n = 1;
+        int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
-        n = omp_get_num_threads();
 #endif
-        const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
-        head_range(xp, rows, (const uint32_t*)packed, vocab, pairs, b0, b1, logits, logits_stride,
-                   partial ? partial + t * rows : NULL);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t b0 = c * CHUNK_BLOCKS;
+            const int64_t b1 = b0 + CHUNK_BLOCKS < blocks ? b0 + CHUNK_BLOCKS : blocks;
+            head_range(xp, rows, (const uint32_t*)packed, vocab, pairs, b0, b1, logits,
+                       logits_stride, partial ? partial + t * rows : NULL);
+        }
     }
     if (best_value) {
         for (int64_t r = 0; r < rows; ++r) {
-            Best out = partial[r];  /* thread 0's columns come first: ties keep the earlier */
+            /* a thread takes its chunks in rising order, so its own ties keep the earlier
+             * column; between threads the lower column wins a tie */
+            Best out = partial[r];
             for (int t = 1; t < threads; ++t) {
                 const Best* p = &partial[t * rows + r];
                 out.bad |= p->bad;
-                if (p->index >= 0 && (out.index < 0 || p->value > out.value)) {
+                if (p->index >= 0 &&
+                    (out.index < 0 || p->value > out.value ||
+                     (p->value == out.value && p->index < out.index))) {
                     out.value = p->value;
                     out.index = p->index;
                 }
