@@ -5,10 +5,12 @@
  * the weight), with the same arithmetic: float32 inside, the same roundings to the tensor's
  * dtype at the same points, so results equal torch's up to the order of a row's sum (RMSNorm;
  * bit for bit for the rotary embeddings, the language model's computed in its dtype as its
- * torch ops are). Decode attention reads the KV pool in place (see its
- * comment). Work is shared among `threads` OpenMP threads (torch's own runtime: the library
- * links the libgomp torch loaded). Built with -ffp-contract=off, so no product and sum fuse
- * into one rounding that torch does in two.
+ * torch ops are). Decode attention reads the KV pool in place (see its comment). Work is shared
+ * among `threads` OpenMP threads (torch's own runtime: the library links the libgomp torch
+ * loaded), handed out 16 rows (tokens, patches) at a time as threads come free: on cores shared
+ * with other processes a fixed share per thread makes the call wait for the thread whose core is
+ * busy. Built with -ffp-contract=off, so no product and sum fuse into one rounding that torch
+ * does in two.
  *
  * Types: `bf16` is uint16_t holding a bfloat16, `f32` is float. Strides count elements.
  */
@@ -68,7 +70,7 @@ static inline float exp_f32(float x) {
 #define DEFINE_RMS_NORM(T)                                                                     \
     void rms_norm_##T(const T##_t* x, int64_t x_stride, const T##_t* weight, T##_t* out,       \
                       int64_t rows, int64_t dim, float eps, int threads) {                     \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                 \
         for (int64_t r = 0; r < rows; ++r) {                                                   \
             const T##_t* xr = x + r * x_stride;                                                \
             T##_t* o = out + r * dim;                                                          \
@@ -94,7 +96,7 @@ static inline float exp_f32(float x) {
     void rotate_qk_##T(const T##_t* qkv, const float* cos, const float* sin, T##_t* q_out,     \
                        T##_t* k_out, int64_t seq, int64_t heads, int64_t dim, int threads) {   \
         const int64_t half = dim / 2;                                                          \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                 \
         for (int64_t s = 0; s < seq; ++s) {                                                    \
             const float* c = cos + s * dim;                                                    \
             const float* sn = sin + s * dim;                                                   \
@@ -153,7 +155,7 @@ static inline float exp_f32(float x) {
                         const int64_t* slots, T##_t* q_out, T##_t* k_cache, T##_t* v_cache,    \
                         int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,          \
                         int threads) {                                                         \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                 \
         for (int64_t t = 0; t < tokens; ++t) {                                                 \
             const T##_t* c = cos + t * dim;                                                    \
             const T##_t* sn = sin + t * dim;                                                   \
@@ -181,7 +183,7 @@ static inline float exp_f32(float x) {
         const int64_t grid_h = height / patch, grid_w = width / patch;                         \
         const int64_t blocks_w = grid_w / merge;                                               \
         const int64_t values = channels * frames * patch * patch;                              \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                 \
         for (int64_t n = 0; n < grid_h * grid_w; ++n) {                                        \
             const int64_t in_block = n % (merge * merge), block = n / (merge * merge);         \
             const int64_t row = (block / blocks_w) * merge + in_block / merge;                 \

@@ -274,7 +274,7 @@ static int run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k
     if (!failed) {
         _Pragma("omp parallel num_threads(threads)") {
             /* pack: (KV head, block) items; a block's sequence found by walking forward */
-            _Pragma("omp for schedule(static)")
+            _Pragma("omp for schedule(dynamic, 4)")
             for (int64_t item = 0; item < kv_heads * num_blocks; ++item) {
                 const int64_t h = item / num_blocks, b = item % num_blocks;
                 int64_t i = 0;
