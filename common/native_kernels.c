@@ -204,14 +204,93 @@ static inline float exp_f32(float x) {
         }                                                                                      \
     }
 
+/* Scores of a decode work item on AVX-512 BF16: for each of the `group` query heads at q (bf16
+ * [group][dim], unscaled) and each key row at the slots `sl` (KV head g of k_cache), scale * the
+ * float32 sum of the bf16 products (VDPBF16PS: the same exact products as the float32 path, summed
+ * in another order) into scores[h * len + j]. Keys go 16 at a time: each key's dot product leaves
+ * 16 partial sums in a register, and the 16 keys' registers are summed across into one register of
+ * 16 scores (unpacks and adds, ~3 instructions a key) instead of 16 horizontal sums. Returns 1
+ * where it ran, 0 where this build has no AVX-512 BF16 (the caller then computes them itself). */
+typedef uint16_t bf16_t;
+typedef float f32_t;
+
+static inline int f32_scores(const f32_t* q, const f32_t* k_cache, const int64_t* sl, int64_t len,
+                             int64_t g, int64_t kv_heads, int64_t group, int64_t dim, float scale,
+                             float* scores) {
+    (void)q; (void)k_cache; (void)sl; (void)len; (void)g; (void)kv_heads; (void)group; (void)dim;
+    (void)scale; (void)scores;
+    return 0;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* the 16 lanes of each of p[0 .. 15] summed: lane j of the result is the sum of p[j] */
+static inline __m512 sum_across16(const __m512* p) {
+    __m512 a[8], b[4];
+    for (int k = 0; k < 8; ++k) /* per 128-bit lane: [p2k, p2k+1, p2k, p2k+1] partial sums */
+        a[k] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * k], p[2 * k + 1]),
+                             _mm512_unpackhi_ps(p[2 * k], p[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) { /* per 128-bit lane: [p4k, p4k+1, p4k+2, p4k+3] */
+        const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+        b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* the four 128-bit lanes: block m of the result from b[m] */
+    const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                   _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                   _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x88), _mm512_shuffle_f32x4(c, d, 0xDD));
+}
+
+static int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int64_t* sl, int64_t len,
+                       int64_t g, int64_t kv_heads, int64_t group, int64_t dim, float scale,
+                       float* scores) {
+    const int64_t chunks = (dim + 31) / 32; /* 32 bf16 a register, the last one masked */
+    const __mmask32 tail = dim % 32 ? (__mmask32)((1u << (dim % 32)) - 1u) : (__mmask32)~0u;
+    const __m512 zero = _mm512_setzero_ps(), vscale = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const int64_t keys = len - j0 < 16 ? len - j0 : 16;
+        const bf16_t* rows[16];
+        for (int64_t j = 0; j < keys; ++j) rows[j] = k_cache + (sl[j0 + j] * kv_heads + g) * dim;
+        for (int64_t h = 0; h < group; ++h) {
+            const bf16_t* qh = q + h * dim;
+            __m512 p[16];
+            for (int64_t j = 0; j < 16; ++j) p[j] = zero;
+            for (int64_t c = 0; c < chunks; ++c) {
+                const __mmask32 m = c == chunks - 1 ? tail : (__mmask32)~0u;
+                const __m512bh qc = (__m512bh)_mm512_maskz_loadu_epi16(m, qh + 32 * c);
+                for (int64_t j = 0; j < keys; ++j) {
+                    const __m512bh kc = (__m512bh)_mm512_maskz_loadu_epi16(m, rows[j] + 32 * c);
+                    p[j] = _mm512_dpbf16_ps(p[j], qc, kc);
+                }
+            }
+            const __m512 s = _mm512_mul_ps(sum_across16(p), vscale);
+            _mm512_mask_storeu_ps(scores + h * len + j0, (__mmask16)((1u << keys) - 1u), s);
+        }
+    }
+    return 1;
+}
+#else
+static inline int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int64_t* sl,
+                              int64_t len, int64_t g, int64_t kv_heads, int64_t group, int64_t dim,
+                              float scale, float* scores) {
+    (void)q; (void)k_cache; (void)sl; (void)len; (void)g; (void)kv_heads; (void)group; (void)dim;
+    (void)scale; (void)scores;
+    return 0;
+}
+#endif
+
 /* Decode attention over the KV pool, read in place: request i's one query token (q row i,
  * `q_stride` apart: [heads, dim] each) attends to the keys at slots[offsets[i] .. offsets[i+1])
  * of k_cache / v_cache ([slots, kv_heads, dim] contiguous); out [n, heads, dim] contiguous. One
  * work item per (request, KV head): each key row is read once for the `heads / kv_heads` query
- * heads that share it (GQA), scores kept whole per item (softmax in float32 with exp_f32; the
- * weights rounded to the dtype before they multiply V, as SDPA's CPU kernel does, their sum
- * taken before), the weighted values summed in float32 and rounded once. `max_len`: the longest request's keys
- * (sizes each thread's score buffer). Requires heads / kv_heads <= MAX_GROUP, dim <= MAX_DIM. */
+ * heads that share it (GQA), scores kept whole per item (bf16 on AVX-512 BF16: `bf16_scores`;
+ * softmax in float32 with exp_f32; the weights rounded to the dtype before they multiply V, as
+ * SDPA's CPU kernel does, their sum taken before), the weighted values summed in float32 and
+ * rounded once. `max_len`: the longest request's keys (sizes each thread's score buffer).
+ * Requires heads / kv_heads <= MAX_GROUP, dim <= MAX_DIM. */
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define DEFINE_DECODE_ATTENTION(T)                                                             \
@@ -234,8 +313,12 @@ static inline float exp_f32(float x) {
                 const int64_t i = item / kv_heads, g = item % kv_heads;                        \
                 const int64_t* sl = slots + offsets[i];                                        \
                 const int64_t len = offsets[i + 1] - offsets[i];                               \
+                const T##_t* qi = q + i * q_stride + g * group * dim;                          \
+                if (T##_scores(qi, k_cache, sl, len, g, kv_heads, group, dim, scale, scores)) {    \
+                    /* done: AVX-512 BF16 */                                                   \
+                } else {                                                                       \
                 for (int64_t h = 0; h < group; ++h) {                                          \
-                    const T##_t* qh = q + i * q_stride + (g * group + h) * dim;                \
+                    const T##_t* qh = qi + h * dim;                                            \
                     _Pragma("omp simd")                                                        \
                     for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = T##_load(qh[d]) * scale; \
                 }                                                                              \
@@ -250,6 +333,7 @@ static inline float exp_f32(float x) {
                         for (int64_t d = 0; d < dim; ++d) dot += qh[d] * row[d];               \
                         scores[h * len + j] = dot;                                             \
                     }                                                                          \
+                }                                                                              \
                 }                                                                              \
                 for (int64_t h = 0; h < group; ++h) {                                          \
                     float* sh = scores + h * len;                                              \
@@ -286,9 +370,6 @@ static inline float exp_f32(float x) {
         }                                                                                      \
         return failed ? -2 : 0;                                                                \
     }
-
-typedef uint16_t bf16_t;
-typedef float f32_t;
 
 DEFINE_RMS_NORM(bf16)
 DEFINE_RMS_NORM(f32)

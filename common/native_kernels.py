@@ -103,10 +103,14 @@ LM_HEAD_COLS = 16  # vocabulary columns per block of the packed LM head
 # per KV head); they run where the CPU has AVX-512 BF16 (``attention_fits``)
 ATTENTION_DIM_STEP, ATTENTION_MAX_DIM, ATTENTION_MAX_GROUP = 16, 256, 32
 # decode attention: the C kernel's limits, and the largest GQA group (query heads per KV head)
-# where it beats gathering the keys for SDPA. Measured on 2 cores, bf16, 16 requests: group 2
-# (head_dim 64 or 128) 1.5-3x faster from 45 to 1,100 keys and 2-3x for one 8,700-key request;
-# group 7-8 (head_dim 128) 0.8-1.1x, its per-key dot products then cost more than the gather.
-DECODE_MAX_GROUP, DECODE_MAX_DIM, DECODE_FAST_GROUP = 16, 256, 4
+# where it beats gathering the keys for SDPA. Measured on 2 cores, 16 requests, float32 dot
+# products: group 2 (head_dim 64 or 128) 1.5-3x faster from 45 to 1,100 keys and 2-3x for one
+# 8,700-key request; group 7-8 (head_dim 128) 0.8-1.1x, its per-key dot products then cost more
+# than the gather. In bf16 on AVX-512 BF16 the scores run on VDPBF16PS, 16 keys summed across at
+# once (1.7-3x the float32 dot products' speed): Qwen2.5-VL-3B's group of 8 then takes a decode
+# step of 16 rows at 300 keys in 61-65 ms against 64-68 through the gather, 74 against 74-76 at
+# 1,200 keys (Zen 4, bf16).
+DECODE_MAX_GROUP, DECODE_MAX_DIM, DECODE_FAST_GROUP, DECODE_FAST_GROUP_BF16 = 16, 256, 4, 8
 
 
 def cache_dir() -> Path:
@@ -177,7 +181,7 @@ class NativeKernels:
             fn = getattr(self._lib, f"{name}_bf16")
             fn.argtypes, fn.restype = argtypes, RETURNS.get(name)
         # whether this build has the AVX-512 BF16 attention and LM head kernels (else they
-        # answer -1)
+        # answer -1; decode attention then computes its bf16 scores in float32)
         self.has_bf16_attention = bool(self._lib.bf16_attention_available())
         self.has_bf16_lm_head = bool(self._lib.lm_head_available())
 
@@ -276,13 +280,18 @@ class NativeKernels:
         )  # fmt: skip
         return out
 
-    @staticmethod
-    def decode_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
-        """True where ``decode_attention`` runs for this model and is the faster path."""
+    def decode_attention_fits(
+        self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+    ) -> bool:
+        """True where ``decode_attention`` runs for this model (in ``dtype``) and is the faster
+        path: GQA groups up to ``DECODE_FAST_GROUP``, ``DECODE_FAST_GROUP_BF16`` in bf16 where
+        its scores run on AVX-512 BF16."""
         group = heads // kv_heads if kv_heads else 0
+        bf16_scores = dtype == torch.bfloat16 and self.has_bf16_attention
+        fast = DECODE_FAST_GROUP_BF16 if bf16_scores else DECODE_FAST_GROUP
         return (
             group * kv_heads == heads
-            and 0 < group <= min(DECODE_FAST_GROUP, DECODE_MAX_GROUP)
+            and 0 < group <= min(fast, DECODE_MAX_GROUP)
             and head_dim <= DECODE_MAX_DIM
         )
 

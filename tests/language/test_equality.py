@@ -116,7 +116,7 @@ def test_fast_cpu_kernels_are_the_default_in_float32(h):
     assert engine.cpu_kernels == ("torch" if kernels is None else "native")
     if kernels is not None:
         assert (engine.runner.decode_kernels is not None) == kernels.decode_attention_fits(
-            mc.num_heads, mc.num_kv_heads, mc.head_dim
+            engine.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim
         )
 
 

@@ -112,7 +112,7 @@ class LanguageEngine:
         )
         self.runner = ModelRunner(self.model, kv_pool, self.device)
         if native is not None and native.decode_attention_fits(
-            mc.num_heads, mc.num_kv_heads, mc.head_dim
+            self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim
         ):
             self.runner.decode_kernels = native
             logger.info("decode attention: the native kernel, keys read in the pool in place")

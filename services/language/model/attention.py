@@ -16,9 +16,10 @@ a slice of the pool, read in place; others are gathered. A decode query is one t
 SDPA then reads each K/V head once instead of a copy repeated per query head (GQA).
 
 On a CPU with the native kernels, where they are the faster path (``DecodeRows``; GQA groups of
-up to 4 query heads), the decode tokens attend to their keys in the pool in place instead: one C
-call per layer for all of them, each key row read once per KV head, no gather, no padding, no
-mask (1.5-3x faster than the gather and SDPA at the demo checkpoint's widths).
+up to 4 query heads, 8 in bf16 on AVX-512 BF16), the decode tokens attend to their keys in the
+pool in place instead: one C call per layer for all of them, each key row read once per KV head,
+no gather, no padding, no mask (1.5-3x faster than the gather and SDPA at the demo checkpoint's
+widths).
 
 A prefill chunk after a long cached prefix on a CPU (``ExtendSegment.split_prefix``) attends to
 the prefix and to its own keys in two calls of SDPA's CPU kernel, merged by the log-sum-exp each
