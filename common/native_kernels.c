@@ -222,6 +222,14 @@ static inline int f32_scores(const f32_t* q, const f32_t* k_cache, const int64_t
     return 0;
 }
 
+/* whether this build has the AVX-512 BF16 kernels (the bf16 attention, LM head and decode
+ * scores); without it they answer -1 (decode attention computes its scores in float32) */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+int avx512_bf16_available(void) { return 1; }
+#else
+int avx512_bf16_available(void) { return 0; }
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 

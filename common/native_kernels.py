@@ -180,10 +180,9 @@ class NativeKernels:
         for name, argtypes in BF16_SIGNATURES.items():
             fn = getattr(self._lib, f"{name}_bf16")
             fn.argtypes, fn.restype = argtypes, RETURNS.get(name)
-        # whether this build has the AVX-512 BF16 attention and LM head kernels (else they
-        # answer -1; decode attention then computes its bf16 scores in float32)
-        self.has_bf16_attention = bool(self._lib.bf16_attention_available())
-        self.has_bf16_lm_head = bool(self._lib.lm_head_available())
+        # whether this build has the AVX-512 BF16 kernels: the bf16 attention kernels and LM
+        # head (else they answer -1), decode attention's bf16 scores (else in float32)
+        self.has_avx512_bf16 = bool(self._lib.avx512_bf16_available())
 
     def _fn(self, name: str, dtype: torch.dtype):
         return getattr(self._lib, f"{name}_{DTYPE_SUFFIX[dtype]}")
@@ -287,7 +286,7 @@ class NativeKernels:
         path: GQA groups up to ``DECODE_FAST_GROUP``, ``DECODE_FAST_GROUP_BF16`` in bf16 where
         its scores run on AVX-512 BF16."""
         group = heads // kv_heads if kv_heads else 0
-        bf16_scores = dtype == torch.bfloat16 and self.has_bf16_attention
+        bf16_scores = dtype == torch.bfloat16 and self.has_avx512_bf16
         fast = DECODE_FAST_GROUP_BF16 if bf16_scores else DECODE_FAST_GROUP
         return (
             group * kv_heads == heads
@@ -334,7 +333,7 @@ class NativeKernels:
         CPU with AVX-512 BF16, a head_dim and GQA group within the kernels' limits."""
         group = heads // kv_heads if kv_heads else 0
         return (
-            self.has_bf16_attention
+            self.has_avx512_bf16
             and dtype == torch.bfloat16
             and group * kv_heads == heads
             and 0 < group <= ATTENTION_MAX_GROUP
@@ -395,7 +394,7 @@ class NativeKernels:
     def lm_head_fits(self, dtype: torch.dtype, dim: int) -> bool:
         """True where ``lm_head_logits`` / ``lm_head_maxima`` run for a model: bf16 on a CPU with
         AVX-512 BF16, an even hidden size."""
-        return self.has_bf16_lm_head and dtype == torch.bfloat16 and dim > 0 and dim % 2 == 0
+        return self.has_avx512_bf16 and dtype == torch.bfloat16 and dim > 0 and dim % 2 == 0
 
     def pack_lm_head(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` ``[vocab, dim]`` (bf16) in the head kernel's layout: blocks of 16

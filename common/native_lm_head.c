@@ -51,8 +51,6 @@ int lm_head_pack_bf16(const uint16_t* w, int64_t vocab, int64_t dim, uint16_t* p
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-int lm_head_available(void) { return 1; }
-
 typedef struct {
     float value;
     int64_t index;
@@ -204,8 +202,6 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
 }
 
 #else
-
-int lm_head_available(void) { return 0; }
 
 int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* packed,
                  int64_t vocab, int64_t dim, uint16_t* logits, int64_t logits_stride,

@@ -39,8 +39,6 @@
 #define ROWS_AT 4     /* rows per pass through a key block */
 #define DIM_MAX 256
 
-int bf16_attention_available(void) { return 1; }
-
 /* 2^x for x <= 0 (clamped at -126: the result is then ~1e-38, and masked lanes are zeroed by the
  * caller): 2^round(x) * 2^f, f in [-0.5, 0.5], 2^f by Taylor's series of e^(f ln 2) to degree 7 */
 static inline __m512 exp2_ps(__m512 x) {
@@ -333,8 +331,6 @@ int self_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, 
 }
 
 #else /* no AVX-512 BF16 in this build: the callers keep SDPA */
-
-int bf16_attention_available(void) { return 0; }
 
 int prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k,
                            int64_t k_stride, const uint16_t* v, int64_t v_stride, uint16_t* out,

@@ -279,7 +279,7 @@ def test_decode_attention_fits_small_gqa_groups_only():
     # a group of 8: in float32 SDPA after a gather is as fast; the bf16 scores on AVX-512 BF16
     # are faster (module doc)
     assert not fits(16, 2, 128)
-    assert fits(16, 2, 128, dtype=torch.bfloat16) == KERNELS.has_bf16_attention
+    assert fits(16, 2, 128, dtype=torch.bfloat16) == KERNELS.has_avx512_bf16
     assert not fits(32, 2, 128, dtype=torch.bfloat16)
     assert not fits(4, 2, 512) and not fits(6, 4, 64) and not fits(4, 0, 64)
     with pytest.raises(ValueError, match="does not fit the kernel"):
@@ -289,7 +289,7 @@ def test_decode_attention_fits_small_gqa_groups_only():
         )  # fmt: skip
 
 
-PREFILL = KERNELS is not None and KERNELS.has_bf16_attention
+PREFILL = KERNELS is not None and KERNELS.has_avx512_bf16
 requires_prefill = pytest.mark.skipif(not PREFILL, reason="no AVX-512 BF16 prefill attention here")
 
 
@@ -424,7 +424,7 @@ def test_self_attention_refuses_offsets_that_do_not_cut_the_rows():
             KERNELS.self_attention(q, q, q, torch.empty_like(q), torch.tensor(cu), 1.0)
 
 
-LM_HEAD = KERNELS is not None and KERNELS.has_bf16_lm_head
+LM_HEAD = KERNELS is not None and KERNELS.has_avx512_bf16
 requires_lm_head = pytest.mark.skipif(not LM_HEAD, reason="no AVX-512 BF16 LM head kernel here")
 
 

@@ -91,7 +91,7 @@ NATIVE, _ = load_native_kernels()
 
 
 @pytest.mark.skipif(
-    NATIVE is None or not NATIVE.has_bf16_attention, reason="no native attention kernel here"
+    NATIVE is None or not NATIVE.has_avx512_bf16, reason="no native attention kernel here"
 )
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_rows_are_as_close_to_float32_as_grouped_rows(arch, model_dirs) -> None:
@@ -136,5 +136,5 @@ def test_auto_takes_the_native_kernel_where_it_runs(model_dirs, caplog) -> None:
     assert fp32.attention == no_native.attention == "grouped"
     assert "no native attention (the kernel takes bf16" in caplog.text
     assert "no native attention (no native CPU kernels" in caplog.text
-    runs = NATIVE is not None and NATIVE.has_bf16_attention
+    runs = NATIVE is not None and NATIVE.has_avx512_bf16
     assert bf16.attention == ("native" if runs else "grouped")

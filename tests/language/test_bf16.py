@@ -54,8 +54,8 @@ TOP = 5
 ONEDNN, WHY_NOT = onednn_usable(torch.device("cpu"), torch.bfloat16)
 NATIVE, WHY_NO_NATIVE = load_native_kernels()
 NATIVE_BF16, WHY_EMULATED = cpu_native_bf16()
-PREFILL_KERNEL = NATIVE is not None and NATIVE.has_bf16_attention
-LM_HEAD_KERNEL = NATIVE is not None and NATIVE.has_bf16_lm_head
+PREFILL_KERNEL = NATIVE is not None and NATIVE.has_avx512_bf16
+LM_HEAD_KERNEL = NATIVE is not None and NATIVE.has_avx512_bf16
 # (linear kernel, CPU kernels, prefill attention) of the engines compared with the reference
 ENGINES = [("plain", "torch", "sdpa")]
 ENGINES += [("onednn", "torch", "sdpa")] if ONEDNN else []

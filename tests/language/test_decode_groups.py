@@ -235,7 +235,7 @@ NATIVE, _ = load_native_kernels()
 
 
 @pytest.mark.skipif(
-    NATIVE is None or not NATIVE.has_bf16_attention, reason="no native prefill attention here"
+    NATIVE is None or not NATIVE.has_avx512_bf16, reason="no native prefill attention here"
 )
 @pytest.mark.parametrize("prefix_len", [0, 300, 2500])
 def test_a_chunk_on_the_native_prefill_attention_takes_its_prefix_as_the_offset(prefix_len):
@@ -284,7 +284,7 @@ def test_the_prefill_attention_setting_picks_the_kernel_and_native_says_why_not(
     ``native`` there raises naming the reason; ``sdpa`` never takes it; a bad value is refused."""
     shape = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    runs = NATIVE is not None and NATIVE.has_bf16_attention
+    runs = NATIVE is not None and NATIVE.has_avx512_bf16
     assert prefill_attention_kernels("auto", NATIVE, cpu, bf16, shape) is (NATIVE if runs else None)
     assert prefill_attention_kernels("sdpa", NATIVE, cpu, bf16, shape) is None
     with caplog.at_level(logging.INFO, logger="services.language.model.attention"):

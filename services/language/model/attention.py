@@ -144,7 +144,7 @@ def prefill_attention_kernels(
     elif native is None:
         why = "no native CPU kernels"
     elif not native.attention_fits(dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim):
-        isa = "built" if native.has_bf16_attention else "absent"
+        isa = "built" if native.has_avx512_bf16 else "absent"
         why = (
             f"the native kernel takes bf16 on a CPU with AVX-512 BF16 and head_dim a multiple of "
             f"16 up to 256 (here {dtype}, {mc.num_heads} heads over {mc.num_kv_heads} KV heads "
