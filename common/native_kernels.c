@@ -222,16 +222,13 @@ static inline int f32_scores(const f32_t* q, const f32_t* k_cache, const int64_t
     return 0;
 }
 
-/* whether this build has the AVX-512 BF16 kernels (the bf16 attention, LM head and decode
- * scores); without it they answer -1 (decode attention computes its scores in float32) */
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-int avx512_bf16_available(void) { return 1; }
-#else
-int avx512_bf16_available(void) { return 0; }
-#endif
-
+/* avx512_bf16_available: whether this build has the AVX-512 BF16 kernels (the bf16 attention,
+ * LM head and decode scores); without it they answer -1 (decode attention computes its scores in
+ * float32) */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+
+int avx512_bf16_available(void) { return 1; }
 
 /* the 16 lanes of each of p[0 .. 15] summed: lane j of the result is the sum of p[j] */
 static inline __m512 sum_across16(const __m512* p) {
@@ -281,6 +278,8 @@ static int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int64_t* sl
     return 1;
 }
 #else
+int avx512_bf16_available(void) { return 0; }
+
 static inline int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int64_t* sl,
                               int64_t len, int64_t g, int64_t kv_heads, int64_t group, int64_t dim,
                               float scale, float* scores) {

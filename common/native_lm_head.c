@@ -139,8 +139,11 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
     if (dim % 2 != 0 || rows < 0 || vocab <= 0) return -1;
     if (rows == 0) return 0;
     const int64_t blocks = (vocab + COLS - 1) / COLS, pairs = dim / 2;
+    /* blocks handed out CHUNK_BLOCKS at a time: a thread whose core is busy with another
+     * process takes fewer, instead of the step waiting for its fixed half */
+    const int64_t chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
     if (threads < 1) threads = 1;
-    if (threads > blocks) threads = (int)blocks;
+    if (threads > chunks) threads = (int)chunks; /* a thread without a chunk would idle */
     /* each pass's rows with their pairs interleaved: a step over the pairs reads one cache line
      * of x for every row of the pass, whatever dim is */
     uint32_t* xp = malloc(sizeof(uint32_t) * (size_t)(rows * pairs));
@@ -159,9 +162,6 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
         r += nr;
     }
     for (int64_t k = 0; partial && k < threads * rows; ++k) partial[k] = (Best){-INFINITY, -1, 0};
-    /* blocks handed out CHUNK_BLOCKS at a time: a thread whose core is busy with another
-     * process takes fewer, instead of the step waiting for its fixed half */
-    const int64_t chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
 #pragma omp parallel num_threads(threads)
     {
         int t = 0;
