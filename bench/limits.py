@@ -267,14 +267,15 @@ def measure_batched_decode(engine, submit, device: torch.device, ref: Reference)
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Weights one decode step reads: all of them once, except an untied embedding table, of
     which it reads one row (a tied table is read whole, as the LM head). Prepacked linears
-    (``PackedLinear``) and the native LM head hold their weights as buffers: counted by their
-    shapes."""
+    (``PackedLinear``), the native decoder's linears and the native LM head hold their weights
+    as buffers: counted by their shapes."""
     from services.language.model.lm_head import NativeLMHead
+    from services.language.model.native_decoder import NativeLinear
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied one once
     itemsize = model.embed_tokens.weight.element_size()
     for module in model.modules():
-        if isinstance(module, (PackedLinear, NativeLMHead)):
+        if isinstance(module, (PackedLinear, NativeLinear, NativeLMHead)):
             total += module.in_features * module.out_features * itemsize
     if getattr(model, "lm_head", None) is not None:
         table = model.embed_tokens.weight

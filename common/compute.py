@@ -40,16 +40,20 @@ class Compute:
 
 
 def check_compute_settings(
-    device: str, dtype: str, linear_kernel: str, cpu_kernels: str = "auto"
+    device: str,
+    dtype: str,
+    linear_kernel: str,
+    cpu_kernels: str = "auto",
+    linear_kernels: tuple[str, ...] = LINEAR_KERNELS,
 ) -> None:
-    """A config's ``device``, ``dtype``, ``linear_kernel`` and ``cpu_kernels``: a
-    ``ValueError`` naming the bad one."""
+    """A config's ``device``, ``dtype``, ``linear_kernel`` (one of ``linear_kernels``) and
+    ``cpu_kernels``: a ``ValueError`` naming the bad one."""
     if not DEVICE_PATTERN.fullmatch(device):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if linear_kernel not in LINEAR_KERNELS:
-        raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {linear_kernel!r}")
+    if linear_kernel not in linear_kernels:
+        raise ValueError(f"linear_kernel must be one of {linear_kernels}, got {linear_kernel!r}")
     if cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {cpu_kernels!r}")
 

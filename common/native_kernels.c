@@ -378,6 +378,36 @@ static inline int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int6
         return failed ? -2 : 0;                                                                \
     }
 
+/* SwiGLU's activation in bf16, as torch's `silu(gate) * up` runs on bf16 tensors: silu in
+ * float32 (x / (1 + e^-x)) rounded to bf16, the product rounded again. gate_up rows [gate | up]
+ * (2 * inter) `gu_stride` apart; out [rows][inter] contiguous. */
+void silu_mul_bf16(const bf16_t* gate_up, int64_t gu_stride, bf16_t* out, int64_t rows,
+                   int64_t inter, int threads) {
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const bf16_t* g = gate_up + r * gu_stride;
+        const bf16_t* u = g + inter;
+        bf16_t* o = out + r * inter;
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < inter; ++d) {
+            const float x = bf16_load(g[d]);
+            const float silu = bf16_round(x / (1.0f + exp_f32(-x)));
+            o[d] = bf16_store(silu * bf16_load(u[d]));
+        }
+    }
+}
+
+/* h += x in bf16 (each sum in float32 rounded once, as torch's bf16 add), rows `dim` long */
+void add_bf16(bf16_t* h, const bf16_t* x, int64_t rows, int64_t dim, int threads) {
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")
+    for (int64_t r = 0; r < rows; ++r) {
+        bf16_t* hr = h + r * dim;
+        const bf16_t* xr = x + r * dim;
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < dim; ++d) hr[d] = bf16_store(bf16_load(hr[d]) + bf16_load(xr[d]));
+    }
+}
+
 DEFINE_RMS_NORM(bf16)
 DEFINE_RMS_NORM(f32)
 DEFINE_ROTATE_QK(bf16)

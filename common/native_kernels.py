@@ -1,4 +1,5 @@
-"""CPU kernels in C (``native_kernels.c``, ``native_prefill_attention.c``), compiled at first use,
+"""CPU kernels in C (``native_kernels.c``, ``native_prefill_attention.c``, ``native_lm_head.c``,
+``native_decoder.c``), compiled at first use,
 with torch's ops as the fallback: RMSNorm, the vision tower's rotary embedding, the language
 model's rotary embedding with its KV write, patch cutting, decode attention over the KV pool,
 and (bf16, AVX-512 BF16) causal prefill attention.
@@ -19,8 +20,9 @@ attention (``prefill_attention``) is a flash kernel of its own on AVX-512 BF16: 
 GFLOP/s where torch's CPU flash kernel runs 95-150 and vLLM's CPU kernel ~160 (2 cores, Zen 4:
 a 1,170-token prompt's layer 6.3 -> 2.4 ms, an 8,659-token one's 287 -> 131 ms), as accurate as
 SDPA in bf16; it is not built for fp32, where SDPA stays. Tried and
-left out: a fused SiLU-and-multiply (its division and exp made it no faster than torch's
-vectorized ops in bf16), a greedy row max (slower than ``sampling.row_max``'s blocked
+left out: a fused SiLU-and-multiply in place of torch's ops (its division and exp made it no
+faster than torch's vectorized ops in bf16; it runs inside the native decoder's one call,
+``native_decoder.c``, where it saves the calls, not arithmetic), a greedy row max (slower than ``sampling.row_max``'s blocked
 ``amax``), and a small-batch bf16 matrix product on AMX tiles for decode-sized linears
 (bit-equal to oneDNN's prepacked one, 0.7-1.1x of it: both read the weights at what the memory
 gives).
@@ -58,10 +60,15 @@ from common.models.tiny import cache_root
 logger = logging.getLogger(__name__)
 
 # built into one library: the element-wise kernels and decode attention, prefill attention, the
-# LM head
+# LM head and the decoder's linears, a step's decoder layers in one call
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("native_kernels.c", "native_prefill_attention.c", "native_lm_head.c")
+    for name in (
+        "native_kernels.c",
+        "native_prefill_attention.c",
+        "native_lm_head.c",
+        "native_decoder.c",
+    )
 )
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 CPU_KERNELS = ("auto", "torch", "native")
@@ -90,6 +97,10 @@ BF16_SIGNATURES = {
     # (x, its row stride), rows, packed, vocab, dim, (logits, its row stride), best value,
     # best index, threads
     "lm_head": (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int),
+    # (x, its row stride), rows, packed, n, dim, bias, (out, its row stride), threads
+    "linear": (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int),
+    # h, layers (DecoderLayerArgs[num_layers]), num_layers, step (DecoderStepArgs)
+    "decoder_layers": (_ptr, _ptr, _i64, _ptr),
 }
 RETURNS = {
     "decode_attention": ctypes.c_int,
@@ -97,6 +108,8 @@ RETURNS = {
     "self_attention": ctypes.c_int,
     "lm_head_pack": ctypes.c_int,
     "lm_head": ctypes.c_int,
+    "linear": ctypes.c_int,
+    "decoder_layers": ctypes.c_int,
 }
 LM_HEAD_COLS = 16  # vocabulary columns per block of the packed LM head
 # the bf16 attention kernels' limits (head_dim a multiple of 16 up to 256, at most 32 query heads
@@ -111,6 +124,48 @@ ATTENTION_DIM_STEP, ATTENTION_MAX_DIM, ATTENTION_MAX_GROUP = 16, 256, 32
 # step of 16 rows at 300 keys in 61-65 ms against 64-68 through the gather, 74 against 74-76 at
 # 1,200 keys (Zen 4, bf16).
 DECODE_MAX_GROUP, DECODE_MAX_DIM, DECODE_FAST_GROUP, DECODE_FAST_GROUP_BF16 = 16, 256, 4, 8
+
+
+class DecoderLayerArgs(ctypes.Structure):
+    """``DecoderLayer`` of ``native_decoder.c``: one layer's weights (linears packed by
+    ``pack_lm_head``; no q/k/v bias: None) and its KV pool pages."""
+
+    _fields_ = [
+        (name, _ptr)
+        for name in (
+            "input_norm",
+            "qkv",
+            "qkv_bias",
+            "o",
+            "post_norm",
+            "gate_up",
+            "down",
+            "k_cache",
+            "v_cache",
+        )  # fmt: skip
+    ]
+
+
+class DecoderStepArgs(ctypes.Structure):
+    """``DecoderStep`` of ``native_decoder.c``: the model's widths and one step's rows."""
+
+    _fields_ = [
+        *((name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("tokens", _i64),
+        *((name, _ptr) for name in ("cos", "sin", "out_slots")),
+        ("num_decode", _i64),
+        ("decode_max_len", _i64),
+        ("decode_slots", _ptr),
+        ("decode_offsets", _ptr),
+        ("num_extends", _i64),
+        *(
+            (name, _ptr)
+            for name in ("extend_q_start", "extend_q_len", "extend_kv_offsets", "extend_kv_slots")
+        ),
+        ("threads", _int),
+    ]
 
 
 def cache_dir() -> Path:
@@ -452,6 +507,46 @@ class NativeKernels:
             raise ValueError(f"lm_head: rows of {dim} do not fit the kernel (or it is not built)")
         if code:
             raise MemoryError("lm_head: no memory for its packed rows")
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` ``[..., n]`` (bf16) of ``x`` ``[..., dim]`` (bf16) against
+        ``pack_lm_head``'s ``packed`` ``W`` ``[n, dim]``: float32 sums, the bias added, rounded
+        to bf16 (a bf16 linear's roundings). Only where ``lm_head_fits``."""
+        rows = _rows(x)
+        dim = rows.shape[1]
+        if (
+            rows.dtype != torch.bfloat16
+            or packed.numel() != -(-n // LM_HEAD_COLS) * LM_HEAD_COLS * dim
+        ):
+            raise ValueError(f"linear: bf16 rows of {dim} do not match the packed weight")
+        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        code = self._lib.linear_bf16(
+            rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), n, dim,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code == -1:
+            raise ValueError(f"linear: rows of {dim} do not fit the kernel (or it is not built)")
+        if code:
+            raise MemoryError("linear: no memory for its packed rows")
+        return out.view(*x.shape[:-1], n)
+
+    def decoder_layers(
+        self, h: torch.Tensor, layers: ctypes.Array, step: DecoderStepArgs
+    ) -> torch.Tensor:
+        """Run ``layers`` (``DecoderLayerArgs``) over ``h`` ``[tokens, hidden]`` (bf16,
+        contiguous; updated in place and returned) for the step ``step`` describes (see
+        ``native_decoder.c``)."""
+        code = self._lib.decoder_layers_bf16(
+            h.data_ptr(), ctypes.addressof(layers), len(layers), ctypes.addressof(step)
+        )
+        if code == -1:
+            raise ValueError("decoder_layers: a shape does not fit the kernels (or not built)")
+        if code:
+            raise MemoryError("decoder_layers: no memory for its scratch")
+        return h
 
 
 def _check_out_rows(out: torch.Tensor, what: str) -> None:

@@ -15,6 +15,10 @@
  * or +inf logit gets NaN as its maximum (the caller fails it). Columns past `vocab` in the last
  * block are never written nor compared.
  *
+ * `linear_bf16` runs a decoder layer's linear (`W` [n][dim], an optional bias) on the same packed
+ * blocks: the bias is added to the float32 sums before the rounding, and rows are taken 256 at a
+ * time so a prefill's packed rows stay in L2 while every block passes over them.
+ *
  * Layouts (strides count elements): x [rows] rows `x_stride` apart, each [dim] bf16; logits
  * (optional, NULL: not written) [rows] rows `logits_stride` apart, each [vocab] bf16; best_value
  * float32 [rows] and best_index int64 [rows] (optional, NULL: not computed). Returns 0, -1 where
@@ -32,6 +36,7 @@
 #define ROWS 16 /* rows per pass through a block: one accumulator register each */
 #define PREFETCH_PAIRS 32 /* how far ahead the weights are prefetched: 2 KB */
 #define CHUNK_BLOCKS 64  /* blocks a thread takes at a time (1,024 columns) */
+#define PANEL_ROWS 256   /* a linear's rows packed at a time */
 
 /* the packed weight: [ceil(vocab / 16)][dim / 2][16][2] bf16, columns past vocab zero */
 int lm_head_pack_bf16(const uint16_t* w, int64_t vocab, int64_t dim, uint16_t* packed) {
@@ -80,7 +85,7 @@ static inline void keep_best(__m512 v, __mmask16 live, int64_t col0, Best* best)
  * (<= ROWS) rows, their pairs interleaved in xp: [pairs][nr] */
 static inline __attribute__((always_inline)) void head_block(
     const uint32_t* xp, const uint32_t* block, int64_t pairs, int64_t col0, __mmask16 live,
-    uint16_t* logits, int64_t logits_stride, Best* best, const int nr) {
+    const uint16_t* bias, uint16_t* logits, int64_t logits_stride, Best* best, const int nr) {
     __m512 acc[ROWS];
     for (int r = 0; r < nr; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < pairs; ++i) {
@@ -90,6 +95,11 @@ static inline __attribute__((always_inline)) void head_block(
             const __m512i pair = _mm512_set1_epi32((int)xp[i * nr + r]);
             acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)pair, w);
         }
+    }
+    if (bias) {
+        const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + col0)), 16));
+        for (int r = 0; r < nr; ++r) acc[r] = _mm512_add_ps(acc[r], b);
     }
     for (int r = 0; r < nr; ++r) {
         __m256i as_bf16;
@@ -107,8 +117,8 @@ static inline int pass_rows(int64_t left) {
 /* every row over blocks [b0, b1): each block read from memory once, then one pass per group of
  * rows over it (xp: each pass's rows as [pairs][rows of the pass], passes one after another) */
 static void head_range(const uint32_t* xp, int64_t rows, const uint32_t* packed, int64_t vocab,
-                       int64_t pairs, int64_t b0, int64_t b1, uint16_t* logits,
-                       int64_t logits_stride, Best* best) {
+                       int64_t pairs, int64_t b0, int64_t b1, const uint16_t* bias,
+                       uint16_t* logits, int64_t logits_stride, Best* best) {
     for (int64_t b = b0; b < b1; ++b) {
         const uint32_t* block = packed + b * pairs * COLS;
         const int64_t col0 = b * COLS;
@@ -119,7 +129,7 @@ static void head_range(const uint32_t* xp, int64_t rows, const uint32_t* packed,
             const uint32_t* xr = xp + r * pairs;
             uint16_t* lr = logits ? logits + r * logits_stride : NULL;
             Best* br = best ? best + r : NULL;
-#define PASS(N) head_block(xr, block, pairs, col0, live, lr, logits_stride, br, N)
+#define PASS(N) head_block(xr, block, pairs, col0, live, bias, lr, logits_stride, br, N)
             switch (nr) {
                 case 16: PASS(16); break;
                 case 8: PASS(8); break;
@@ -130,6 +140,20 @@ static void head_range(const uint32_t* xp, int64_t rows, const uint32_t* packed,
 #undef PASS
             r += nr;
         }
+    }
+}
+
+/* each pass's rows with their pairs interleaved ([pairs][rows of the pass], passes one after
+ * another): a step over the pairs reads one cache line of x for every row of the pass */
+static void pack_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t pairs,
+                      uint32_t* xp) {
+    for (int64_t r = 0; r < rows;) {
+        const int nr = pass_rows(rows - r);
+        for (int64_t k = 0; k < nr; ++k) {
+            const uint32_t* row = (const uint32_t*)(x + (r + k) * x_stride);
+            for (int64_t i = 0; i < pairs; ++i) xp[r * pairs + i * nr + k] = row[i];
+        }
+        r += nr;
     }
 }
 
@@ -144,8 +168,6 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
     const int64_t chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
     if (threads < 1) threads = 1;
     if (threads > chunks) threads = (int)chunks; /* a thread without a chunk would idle */
-    /* each pass's rows with their pairs interleaved: a step over the pairs reads one cache line
-     * of x for every row of the pass, whatever dim is */
     uint32_t* xp = malloc(sizeof(uint32_t) * (size_t)(rows * pairs));
     Best* partial = best_value ? malloc(sizeof(Best) * (size_t)(threads * rows)) : NULL;
     if (!xp || (best_value && !partial)) {
@@ -153,14 +175,7 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
         free(partial);
         return -2;
     }
-    for (int64_t r = 0; r < rows;) {
-        const int nr = pass_rows(rows - r);
-        for (int64_t k = 0; k < nr; ++k) {
-            const uint32_t* row = (const uint32_t*)(x + (r + k) * x_stride);
-            for (int64_t i = 0; i < pairs; ++i) xp[r * pairs + i * nr + k] = row[i];
-        }
-        r += nr;
-    }
+    pack_rows(x, x_stride, rows, pairs, xp);
     for (int64_t k = 0; partial && k < threads * rows; ++k) partial[k] = (Best){-INFINITY, -1, 0};
 #pragma omp parallel num_threads(threads)
     {
@@ -172,7 +187,7 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
         for (int64_t c = 0; c < chunks; ++c) {
             const int64_t b0 = c * CHUNK_BLOCKS;
             const int64_t b1 = b0 + CHUNK_BLOCKS < blocks ? b0 + CHUNK_BLOCKS : blocks;
-            head_range(xp, rows, (const uint32_t*)packed, vocab, pairs, b0, b1, logits,
+            head_range(xp, rows, (const uint32_t*)packed, vocab, pairs, b0, b1, NULL, logits,
                        logits_stride, partial ? partial + t * rows : NULL);
         }
     }
@@ -201,7 +216,48 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
     return 0;
 }
 
+/* out = x · Wᵀ (+ bias) for a decoder layer's linear, W packed as the head's: bf16 rounding of
+ * the float32 sums (bias added first, as oneDNN's bf16 linear does). Rows go PANEL_ROWS at a
+ * time, so the packed panel stays in L2 while every column block passes over it. */
+int linear_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* packed,
+                int64_t n, int64_t dim, const uint16_t* bias, uint16_t* out, int64_t out_stride,
+                int threads) {
+    if (dim % 2 != 0 || rows < 0 || n <= 0) return -1;
+    if (rows == 0) return 0;
+    const int64_t blocks = (n + COLS - 1) / COLS, pairs = dim / 2;
+    if (threads < 1) threads = 1;
+    /* about eight runs of blocks per thread, to even out cores shared with other processes */
+    int64_t run = blocks / (8 * (int64_t)threads);
+    run = run < 1 ? 1 : run > CHUNK_BLOCKS ? CHUNK_BLOCKS : run;
+    const int64_t chunks = (blocks + run - 1) / run;
+    if (threads > chunks) threads = (int)chunks;
+    const int64_t panel = rows < PANEL_ROWS ? rows : PANEL_ROWS;
+    uint32_t* xp = malloc(sizeof(uint32_t) * (size_t)(panel * pairs));
+    if (!xp) return -2;
+    for (int64_t p0 = 0; p0 < rows; p0 += panel) {
+        const int64_t np = rows - p0 < panel ? rows - p0 : panel;
+        pack_rows(x + p0 * x_stride, x_stride, np, pairs, xp);
+        uint16_t* o = out + p0 * out_stride;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t b0 = c * run, b1 = b0 + run < blocks ? b0 + run : blocks;
+            head_range(xp, np, (const uint32_t*)packed, n, pairs, b0, b1, bias, o, out_stride,
+                       NULL);
+        }
+    }
+    free(xp);
+    return 0;
+}
+
 #else
+
+int linear_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* packed,
+                int64_t n, int64_t dim, const uint16_t* bias, uint16_t* out, int64_t out_stride,
+                int threads) {
+    (void)x; (void)x_stride; (void)rows; (void)packed; (void)n; (void)dim; (void)bias; (void)out;
+    (void)out_stride; (void)threads;
+    return -1;
+}
 
 int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* packed,
                  int64_t vocab, int64_t dim, uint16_t* logits, int64_t logits_stride,

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 from common.cli_config import field
 from common.compute import check_compute_settings
+from common.linear_kernels import LINEAR_KERNELS as COMMON_LINEAR_KERNELS
 from common.transfer.config import TransferConfig
 from common.worker import WorkerConfig
 
 ENV_PREFIX = "EPD_LANGUAGE_"
 PREFILL_ATTENTION = ("auto", "sdpa", "native")
+LINEAR_KERNELS = (*COMMON_LINEAR_KERNELS, "native")  # native: the decoder on the native kernels
 
 
 @dataclass(frozen=True)
@@ -31,9 +33,12 @@ class LanguageConfig:
     )
     linear_kernel: str = field(
         "auto",
-        help="kernel of the linear layers: auto (onednn where it runs, else plain) | plain "
-        "(F.linear, the reference) | onednn (weights prepacked once; CPU fp32 or bf16 "
-        "only, else it falls back to plain and logs why)",
+        help="kernel of the linear layers: auto (native where it runs, else onednn where it "
+        "runs, else plain) | plain (F.linear, the reference) | onednn (weights prepacked once; "
+        "CPU fp32 or bf16 only, else it falls back to plain and logs why) | native (bf16 on a "
+        "CPU with AVX-512 BF16 and the native cpu_kernels, Qwen2-style layers: the decoder "
+        "layers' linears on the LM head's packed blocks and a step's layers in one C call; "
+        "an error where it cannot run)",
     )
     cpu_kernels: str = field(
         "auto",
@@ -112,7 +117,9 @@ class LanguageConfig:
     worker: WorkerConfig = field(WorkerConfig(), help="registration and metrics")
 
     def __post_init__(self) -> None:
-        check_compute_settings(self.device, self.dtype, self.linear_kernel, self.cpu_kernels)
+        check_compute_settings(
+            self.device, self.dtype, self.linear_kernel, self.cpu_kernels, LINEAR_KERNELS
+        )
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(
                 f"prefill_attention must be one of {PREFILL_ATTENTION}, "

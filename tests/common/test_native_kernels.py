@@ -491,3 +491,34 @@ def test_lm_head_reads_rows_of_a_wider_tensor_and_refuses_a_mismatched_head():
     assert KERNELS.lm_head_fits(torch.bfloat16, 64)
     assert not KERNELS.lm_head_fits(torch.float32, 64)
     assert not KERNELS.lm_head_fits(torch.bfloat16, 7)
+
+
+@requires_lm_head
+@pytest.mark.parametrize(
+    "rows,dim,n,bias",
+    [
+        (1, 64, 48, True),  # one row
+        (16, 256, 520, True),  # a whole pass; 8 columns in the last block
+        (300, 128, 96, False),  # two panels of rows (256, then 44)
+        (37, 2048, 256, False),  # a wide input
+    ],
+)
+def test_linear_is_as_accurate_as_a_bf16_linear(rows, dim, n, bias):
+    """The decoder's linear on the head's packed blocks: within one bf16 step of what
+    ``F.linear`` in bf16 gives against float32 (the bias added before the rounding), for rows of
+    a wider tensor as for contiguous ones."""
+    gen = torch.Generator().manual_seed(rows + dim + n)
+    weight = (torch.randn(n, dim, generator=gen) * dim**-0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    wide = torch.randn(rows, dim + 32, generator=gen).bfloat16()
+    x = wide[:, :dim]
+    packed = KERNELS.pack_lm_head(weight)
+    got = KERNELS.linear(x, packed, n, b)
+    want = x.float() @ weight.float().T + (0 if b is None else b.float())
+    theirs = (torch.nn.functional.linear(x, weight, b).float() - want).abs()
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= theirs.max() + 2**-8 * want.abs().max()
+    assert torch.equal(got, KERNELS.linear(x.contiguous(), packed, n, b))
+    assert KERNELS.linear(x[None], packed, n, b).shape == (1, rows, n)  # leading dimensions
+    with pytest.raises(ValueError, match="do not match the packed weight"):
+        KERNELS.linear(wide[:, : dim // 2], packed, n, b)

@@ -61,6 +61,8 @@ ENGINES = [("plain", "torch", "sdpa")]
 ENGINES += [("onednn", "torch", "sdpa")] if ONEDNN else []
 ENGINES += [("onednn" if ONEDNN else "plain", "native", "sdpa")] if NATIVE is not None else []
 ENGINES += [("onednn" if ONEDNN else "plain", "native", "native")] if PREFILL_KERNEL else []
+NATIVE_DECODER = ("native", "native", "native")  # the decoder layers on the native kernels
+ENGINES += [NATIVE_DECODER] if LM_HEAD_KERNEL else []
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -78,16 +80,19 @@ def engines(arch, harness):
     h = harness(arch)
     # on the CPU, as the reference: the CUDA engine is checked against transformers on CUDA
     # (tests/cuda)
-    return {
-        (linear, cpu, attention): h.engine(
-            device="cpu",
-            dtype="bfloat16",
-            linear_kernel=linear,
-            cpu_kernels=cpu,
-            prefill_attention=attention,
-        )
-        for linear, cpu, attention in ENGINES
-    }
+    built = {}
+    for linear, cpu, attention in ENGINES:
+        try:
+            built[linear, cpu, attention] = h.engine(
+                device="cpu",
+                dtype="bfloat16",
+                linear_kernel=linear,
+                cpu_kernels=cpu,
+                prefill_attention=attention,
+            )
+        except ValueError as exc:  # the native decoder takes Qwen2-style layers only
+            assert linear == "native" and arch == "qwen3_vl", exc
+    return built
 
 
 def cases(ref):
@@ -140,6 +145,8 @@ def check_against_reference(engine, ref, tolerance: float) -> None:
 
 @pytest.mark.parametrize("kernels", ENGINES, ids="-".join)
 def test_bf16_engine_matches_bf16_transformers(ref, engines, kernels):
+    if kernels not in engines:
+        pytest.skip("the native decoder does not take this architecture's layers")
     engine = engines[kernels]
     assert engine.dtype == torch.bfloat16
     assert (engine.linear_kernel, engine.cpu_kernels) == kernels[:2]
@@ -265,3 +272,61 @@ def test_non_finite_maxima_fail_their_request_only(arch, harness, ref):
     assert [t for o in outs["text"] for t in o.token_ids] == alone
     assert "non-finite logits" in outs["bad"][-1].error
     assert not engine.requests
+
+
+@pytest.mark.skipif(not LM_HEAD_KERNEL, reason="no native decoder (AVX-512 BF16) here")
+def test_native_decoder_steps_match_the_module_path(arch, harness, ref, engines):
+    """A step's layers in one C call (decode rows alone, decode rows beside a prefill chunk, a
+    chunk after a cached prefix) give the tokens of the same engine's module path, and its
+    log-probabilities within bf16's rounding (the linears sum in the packed blocks' order);
+    where the step's attention is not all native (SDPA decode groups) the modules run it."""
+    if NATIVE_DECODER not in engines:
+        with pytest.raises(ValueError, match="linear_kernel native cannot run here: .*q/k"):
+            raise_for = engines["plain", "torch", "sdpa"]
+            raise_for.runner.model.use_linear_kernel("native", NATIVE)
+        return
+    # a fresh engine: its first prompt's keys land in one run of slots, later ones gathered
+    engine = harness(arch).engine(device="cpu", dtype="bfloat16", linear_kernel="native")
+    model = engine.runner.model
+    decoder = model.decoder
+    assert decoder is not None and engine.linear_kernel == "native"
+    taken = []
+    run_decoder = decoder.run
+
+    def counted(h, cos, sin, batch, kv_pool, threads):
+        # (decode rows?, per prefill chunk: are its keys gathered, not one run of slots?)
+        taken.append((batch.decode_rows is not None, [s.kv_run is None for s in batch.extends]))
+        return run_decoder(h, cos, sin, batch, kv_pool, threads)
+
+    def run() -> dict[str, list]:
+        cache = engine.cache_manager
+        cache.allocator.free(cache.cache.evict(cache.cache.size_info().evictable_size))
+        (_, text), (_, image) = cases(ref)
+        params = SamplingParams(max_new_tokens=8, top_logprobs=TOP, ignore_eos=True)
+        engine.add_request("a", params, text)
+        engine.step()
+        engine.step()  # "a" decodes while "b" prefills: a mixed step
+        engine.add_request("b", params, image)
+        outs = run_to_completion(engine)
+        engine.add_request("c", params, text)  # its prompt cached: a chunk after a prefix
+        outs.update(run_to_completion(engine))
+        return {rid: [lp for o in out for lp in o.logprobs] for rid, out in outs.items()}
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decoder, "run", counted)
+        native = run()
+        patch.setattr(model, "decoder", None)
+        modules = run()
+    assert any(decode and not extends for decode, extends in taken)  # decode alone
+    assert any(decode and extends for decode, extends in taken)  # mixed
+    gathered = [g for _, extends in taken for g in extends]
+    assert True in gathered and False in gathered  # chunks' keys gathered and in place
+    assert native.keys() == modules.keys() == {"a", "b", "c"}
+    for rid, lps in native.items():
+        assert [lp.token_id for lp in lps] == [lp.token_id for lp in modules[rid]], rid
+        worst = max(
+            abs(a.logprob - b.logprob)
+            for x, y in zip(lps, modules[rid], strict=True)
+            for a, b in zip(x.top, y.top, strict=True)
+        )
+        assert worst <= BF16_LOGPROB_TOL, f"{rid}: {worst:.4f}"

@@ -82,7 +82,9 @@ class LanguageEngine:
         prepare_device(self.device)
         self.model = load_text_model(config.model_path, self.device, self.dtype)
         native = self.model.use_cpu_kernels(config.cpu_kernels)  # the LM head first
-        self.linear_kernel = self.model.use_linear_kernel(config.linear_kernel)  # before sizing
+        self.linear_kernel = self.model.use_linear_kernel(
+            config.linear_kernel, native
+        )  # before sizing
         self.cpu_kernels = "torch" if native is None else "native"
         self.model_config = mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)

@@ -25,6 +25,7 @@ from services.language.model.batch import ForwardBatch
 from services.language.model.config import TextModelConfig
 from services.language.model.layers import Attention, DecoderLayer, RMSNorm
 from services.language.model.lm_head import NativeLMHead
+from services.language.model.native_decoder import NativeDecoder, why_not_native
 from services.language.model.rope import MRotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class QwenTextModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope
+        self.decoder: NativeDecoder | None = None  # the layers on the native kernels, when set
 
     def layer_threads(self, num_rows: int, num_keys: int) -> int:
         """Intra-op threads for the decoder layers of a step of ``num_rows`` rows whose
@@ -91,6 +93,8 @@ class QwenTextModel(nn.Module):
         with intra_op_threads(self.layer_threads(batch.num_tokens, batch.num_keys)):
             h, image_mask = self.embed(batch)
             cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
+            if self.decoder is not None and self.decoder.takes(batch):
+                return self.decoder.run(h, cos, sin, batch, kv_pool, torch.get_num_threads())
             for i, layer in enumerate(self.layers):
                 h = layer(h, cos, sin, batch, kv_pool)
                 if image_mask is not None and i < self.config.num_deepstack:
@@ -133,11 +137,26 @@ class QwenTextModel(nn.Module):
                 targets.update((prefix + key, view) for key, view in views.items())
         return targets
 
-    def use_linear_kernel(self, kernel: str) -> str:
+    def use_linear_kernel(self, kernel: str, native: NativeKernels | None) -> str:
         """Give every linear layer, the LM head included unless it is on the native kernel
-        (``use_cpu_kernels``, called first), the kernel ``kernel`` resolves to (see
-        ``common/linear_kernels.py``); returns the one that runs."""
+        (``use_cpu_kernels``, called first; ``native``: the kernels it returned), the kernel
+        ``kernel`` resolves to; returns the one that runs. ``native`` (``auto``'s first choice):
+        the decoder layers on the native kernels (``model/native_decoder.py``), a
+        ``ValueError`` saying why where they cannot run; else see
+        ``common/linear_kernels.py``."""
         weight = self.embed_tokens.weight
+        if kernel in ("auto", "native"):
+            why = why_not_native(native, self.config, weight.dtype)
+            if not why:
+                self.decoder = NativeDecoder(self.layers, self.config, native)
+                logger.info(
+                    "language model: decoder layers on the native kernels (bf16, AVX-512 "
+                    "BF16): %d layers' linears packed for them, a step's layers in one call",
+                    len(self.layers),
+                )
+                return "native"
+            if kernel == "native":
+                raise ValueError(f"linear_kernel native cannot run here: {why}")
         chosen = use_linear_kernel(self, kernel, weight.device, weight.dtype, "language model")
         if chosen == "onednn" and self.lm_head is None:
             # NOTE: tied embeddings: the table stays for the lookups, the head gets a packed copy
