@@ -22,8 +22,8 @@ a 1,170-token prompt's layer 6.3 -> 2.4 ms, an 8,659-token one's 287 -> 131 ms),
 SDPA in bf16; it is not built for fp32, where SDPA stays. Tried and
 left out: a fused SiLU-and-multiply in place of torch's ops (its division and exp made it no
 faster than torch's vectorized ops in bf16; it runs inside the native decoder's one call,
-``native_decoder.c``, where it saves the calls, not arithmetic), a greedy row max (slower than ``sampling.row_max``'s blocked
-``amax``), and a small-batch bf16 matrix product on AMX tiles for decode-sized linears
+``native_decoder.c``, where it saves the calls, not arithmetic), a greedy row max (slower
+than ``sampling.row_max``'s blocked ``amax``), and a small-batch bf16 matrix product on AMX tiles for decode-sized linears
 (bit-equal to oneDNN's prepacked one, 0.7-1.1x of it: both read the weights at what the memory
 gives).
 
