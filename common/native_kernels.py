@@ -23,9 +23,9 @@ SDPA in bf16; it is not built for fp32, where SDPA stays. Tried and
 left out: a fused SiLU-and-multiply in place of torch's ops (its division and exp made it no
 faster than torch's vectorized ops in bf16; it runs inside the native decoder's one call,
 ``native_decoder.c``, where it saves the calls, not arithmetic), a greedy row max (slower
-than ``sampling.row_max``'s blocked ``amax``), and a small-batch bf16 matrix product on AMX tiles for decode-sized linears
-(bit-equal to oneDNN's prepacked one, 0.7-1.1x of it: both read the weights at what the memory
-gives).
+than ``sampling.row_max``'s blocked ``amax``), and a small-batch bf16 matrix product on AMX
+tiles for decode-sized linears (bit-equal to oneDNN's prepacked one, 0.7-1.1x of it: both read
+the weights at what the memory gives).
 
 The library is built once per source, compiler and CPU with the system's C compiler (``cc``,
 ``-O3 -march=native -fopenmp``, under a second) into ``$EPD_CACHE_DIR/native`` (default
