@@ -78,9 +78,18 @@ typedef struct {
     int threads;
 } DecoderStep;
 
-/* below this many values an element-wise pass runs on the calling thread (native_kernels.py's
- * PARALLEL_MIN_VALUES) */
+/* Threads per kernel, chosen for each one: waking a sleeping OpenMP thread (the serving
+ * processes set OMP_WAIT_POLICY=PASSIVE) costs more than a small kernel's work. Below
+ * PARALLEL_MIN_VALUES values an element-wise pass runs on the calling thread (native_kernels.py's
+ * figure), below LINEAR_MIN_FLOPS a linear (a [16, 256] x [256, 512] bf16 product: 27 us on one
+ * thread, ~100 on two passive ones), below ATTENTION_MIN_KEYS cached keys decode attention. */
 #define PARALLEL_MIN_VALUES (1 << 15)
+#define LINEAR_MIN_FLOPS 50e6
+#define ATTENTION_MIN_KEYS 4096
+
+static inline int linear_threads(int64_t rows, int64_t n, int64_t dim, int threads) {
+    return 2.0 * (double)rows * (double)n * (double)dim < LINEAR_MIN_FLOPS ? 1 : threads;
+}
 
 /* whether `len` slots are first, first + 1, ...: their rows are then a slice of the pool */
 static int is_run(const int64_t* slots, int64_t len) {
@@ -139,11 +148,16 @@ int decoder_layers_bf16(bf16* h, const DecoderLayer* layers, int64_t num_layers,
     bf16 *normed = scratch, *wide = normed + t * hid, *q = wide + t * widest, *attn = q + t * qn;
     bf16 *act = attn + t * qn, *kbuf = act + t * inter, *vbuf = kbuf + gather * kvn;
     bf16* out = normed; /* a linear's output back to hidden: normed is free by then */
+    const int lin_qkv = linear_threads(t, qkvn, hid, th), lin_o = linear_threads(t, hid, qn, th);
+    const int lin_gu = linear_threads(t, 2 * inter, hid, th);
+    const int lin_down = linear_threads(t, hid, inter, th);
+    const int64_t decode_keys = s->num_decode ? s->decode_offsets[s->num_decode] : 0;
+    const int att = decode_keys < ATTENTION_MIN_KEYS ? 1 : th;
     int rc = 0;
     for (int64_t i = 0; i < num_layers && !rc; ++i) {
         const DecoderLayer* l = &layers[i];
         rms_norm_bf16(h, hid, l->input_norm, normed, t, hid, s->eps, el);
-        rc = linear_bf16(normed, hid, t, l->qkv, qkvn, hid, l->qkv_bias, wide, qkvn, th);
+        rc = linear_bf16(normed, hid, t, l->qkv, qkvn, hid, l->qkv_bias, wide, qkvn, lin_qkv);
         if (rc) break;
         rope_store_bf16(wide, qkvn, wide + qn, qkvn, wide + qn + kvn, qkvn, s->cos, s->sin,
                         s->out_slots, q, l->k_cache, l->v_cache, t, s->heads, s->kv_heads, dim,
@@ -151,19 +165,19 @@ int decoder_layers_bf16(bf16* h, const DecoderLayer* layers, int64_t num_layers,
         if (s->num_decode) {
             rc = decode_attention_bf16(q, qn, l->k_cache, l->v_cache, s->decode_slots,
                                        s->decode_offsets, attn, s->num_decode, s->heads,
-                                       s->kv_heads, dim, s->decode_max_len, s->scale, th);
+                                       s->kv_heads, dim, s->decode_max_len, s->scale, att);
             if (rc) break;
         }
         rc = extends_attention(s, l, q, attn, qn, runs, kbuf, vbuf);
         if (rc) break;
-        rc = linear_bf16(attn, qn, t, l->o, hid, qn, NULL, out, hid, th);
+        rc = linear_bf16(attn, qn, t, l->o, hid, qn, NULL, out, hid, lin_o);
         if (rc) break;
         add_bf16(h, out, t, hid, el);
         rms_norm_bf16(h, hid, l->post_norm, normed, t, hid, s->eps, el);
-        rc = linear_bf16(normed, hid, t, l->gate_up, 2 * inter, hid, NULL, wide, 2 * inter, th);
+        rc = linear_bf16(normed, hid, t, l->gate_up, 2 * inter, hid, NULL, wide, 2 * inter, lin_gu);
         if (rc) break;
         silu_mul_bf16(wide, 2 * inter, act, t, inter, t * inter < PARALLEL_MIN_VALUES ? 1 : th);
-        rc = linear_bf16(act, inter, t, l->down, hid, inter, NULL, out, hid, th);
+        rc = linear_bf16(act, inter, t, l->down, hid, inter, NULL, out, hid, lin_down);
         if (rc) break;
         add_bf16(h, out, t, hid, el);
     }

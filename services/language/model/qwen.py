@@ -6,7 +6,9 @@ and only the LM head on all of them. Each operator run on several OpenMP threads
 sleeping ones (the serving processes set ``OMP_WAIT_POLICY=PASSIVE``), which costs more than
 such an operator's work: a [16, 256] x [256, 512] bf16 linear takes 50 us on one thread and
 150 us on two. Greedy tokens are the same either way (tested); torch's CPU attention kernel
-may round a log-probability's last bits differently on another number of threads.
+may round a log-probability's last bits differently on another number of threads. The native
+decoder (``model/native_decoder.py``) makes the same choice per kernel inside its one call: each
+linear and the decode attention by its own work.
 """
 
 from __future__ import annotations
@@ -90,11 +92,14 @@ class QwenTextModel(nn.Module):
     def hidden_states(self, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
         """The last decoder layer's output [T, hidden] of every row (before the final norm)."""
         hidden = self.config.hidden_size
+        if self.decoder is not None and self.decoder.takes(batch):
+            # one call; it picks each kernel's threads itself (``native_decoder.c``)
+            h, _ = self.embed(batch)
+            cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
+            return self.decoder.run(h, cos, sin, batch, kv_pool, torch.get_num_threads())
         with intra_op_threads(self.layer_threads(batch.num_tokens, batch.num_keys)):
             h, image_mask = self.embed(batch)
             cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
-            if self.decoder is not None and self.decoder.takes(batch):
-                return self.decoder.run(h, cos, sin, batch, kv_pool, torch.get_num_threads())
             for i, layer in enumerate(self.layers):
                 h = layer(h, cos, sin, batch, kv_pool)
                 if image_mask is not None and i < self.config.num_deepstack:
