@@ -60,3 +60,14 @@ def test_compute_threads_are_set_per_process():
         set_compute_threads(-1)
     with pytest.raises(ValueError, match="compute_threads must be >= 0"):
         WorkerConfig(compute_threads=-2)
+
+
+def test_the_language_worker_alone_takes_the_native_linear_kernel():
+    from services.encoder.config import EncoderConfig
+    from services.language.config import LanguageConfig
+
+    assert LanguageConfig(linear_kernel="native").linear_kernel == "native"
+    with pytest.raises(ValueError, match="linear_kernel must be one of .*'onednn'\\)"):
+        EncoderConfig(linear_kernel="native")
+    with pytest.raises(ValueError, match="linear_kernel must be one of .*'native'\\)"):
+        LanguageConfig(linear_kernel="fast")

@@ -330,3 +330,15 @@ def test_native_decoder_steps_match_the_module_path(arch, harness, ref, engines)
             for a, b in zip(x.top, y.top, strict=True)
         )
         assert worst <= BF16_LOGPROB_TOL, f"{rid}: {worst:.4f}"
+
+
+@pytest.mark.skipif(NATIVE is None, reason=f"native kernels: {WHY_NO_NATIVE}")
+def test_native_linear_kernel_where_it_cannot_run_says_why(harness):
+    """``auto`` falls back to oneDNN / plain in fp32 and with torch's CPU kernels; an explicit
+    ``native`` is an error naming the reason."""
+    h = harness("qwen2_5_vl")
+    assert h.engine(device="cpu", dtype="float32").linear_kernel in ("onednn", "plain")
+    with pytest.raises(ValueError, match="bf16 on a CPU with AVX-512 BF16, not torch.float32"):
+        h.engine(device="cpu", dtype="float32", linear_kernel="native")
+    with pytest.raises(ValueError, match="native CPU kernels are off"):
+        h.engine(device="cpu", dtype="bfloat16", linear_kernel="native", cpu_kernels="torch")
