@@ -264,10 +264,10 @@ class NonFiniteLogitsError(ValueError):
 def greedy_tokens(values: torch.Tensor, indices: torch.Tensor) -> list[int | Exception]:
     """Greedy rows' tokens from their logits' maxima ``values`` and first indices ``indices``
     (``row_max``'s, or the LM head's own): a row whose maximum is not finite fails alone."""
-    finite = torch.isfinite(values).tolist()
+    # NOTE: in Python: a few rows' torch.isfinite costs ~80 us here, its dispatch and not its work
     return [
-        token if ok else NonFiniteLogitsError()
-        for ok, token in zip(finite, indices.tolist(), strict=True)
+        token if math.isfinite(value) else NonFiniteLogitsError()
+        for value, token in zip(values.tolist(), indices.tolist(), strict=True)
     ]
 
 
