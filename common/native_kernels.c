@@ -214,6 +214,14 @@ static inline float exp_f32(float x) {
 typedef uint16_t bf16_t;
 typedef float f32_t;
 
+static inline int f32_values(const f32_t* v_cache, const int64_t* sl, int64_t len, int64_t g,
+                             int64_t kv_heads, int64_t group, int64_t dim, const float* probs,
+                             uint32_t* pairs, float* acc) {
+    (void)v_cache; (void)sl; (void)len; (void)g; (void)kv_heads; (void)group; (void)dim;
+    (void)probs; (void)pairs; (void)acc;
+    return 0;
+}
+
 static inline int f32_scores(const f32_t* q, const f32_t* k_cache, const int64_t* sl, int64_t len,
                              int64_t g, int64_t kv_heads, int64_t group, int64_t dim, float scale,
                              float* scores) {
@@ -277,8 +285,74 @@ static int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int64_t* sl
     }
     return 1;
 }
+
+/* acc[h] (float32 [group][dim]) = the sum over the item's keys of probs[h][j] * v[j], the
+ * probabilities already bf16 values (decode attention rounds them): two keys a VDPBF16PS, their
+ * value rows interleaved in registers (unpacklo/hi of 16-bit lanes, which orders a 32-dim chunk's
+ * output lanes [0-3, 8-11, 16-19, 24-27] / [4-7, ...]; undone once per chunk). `pairs`: scratch
+ * of group * ceil(len / 2) words. */
+static int bf16_values(const bf16_t* v_cache, const int64_t* sl, int64_t len, int64_t g,
+                       int64_t kv_heads, int64_t group, int64_t dim, const float* probs,
+                       uint32_t* pairs, float* acc) {
+    const int64_t half = (len + 1) / 2, chunks = (dim + 31) / 32, row_stride = kv_heads * dim;
+    for (int64_t h = 0; h < group; ++h) { /* each head's probabilities as bf16 pairs */
+        const float* ph = probs + h * len;
+        uint16_t* out = (uint16_t*)(pairs + h * half);
+        for (int64_t j = 0; j < len; j += 16) {
+            const int64_t n = len - j < 16 ? len - j : 16;
+            const __m512 x = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), ph + j);
+            _mm256_mask_storeu_epi16(out + j, (__mmask16)((1u << n) - 1u),
+                                     (__m256i)_mm512_cvtneps_pbh(x));
+        }
+        if (len % 2) out[len] = 0; /* the odd key's partner: weight 0 */
+    }
+    /* lane l of the unpacked halves holds dim (l / 4) * 8 + l % 4 (lo) or + 4 (hi) */
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second =
+        _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t d0 = 32 * c, left = dim - d0;
+        const __mmask32 m = left >= 32 ? (__mmask32)~0u : (__mmask32)((1u << left) - 1u);
+        const bf16_t* base = v_cache + g * dim + d0; /* key j's chunk: base + sl[j] * row_stride */
+        for (int64_t h0 = 0; h0 < group; h0 += 8) {
+            const int64_t hn = group - h0 < 8 ? group - h0 : 8;
+            __m512 lo[8], hi[8];
+            for (int64_t h = 0; h < hn; ++h) lo[h] = hi[h] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < len; j += 2) {
+                const __m512i a = _mm512_maskz_loadu_epi16(m, base + sl[j] * row_stride);
+                const __m512i b = j + 1 < len
+                                      ? _mm512_maskz_loadu_epi16(m, base + sl[j + 1] * row_stride)
+                                      : _mm512_setzero_si512();
+                const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                for (int64_t h = 0; h < hn; ++h) {
+                    const __m512bh p =
+                        (__m512bh)_mm512_set1_epi32((int)pairs[(h0 + h) * half + j / 2]);
+                    lo[h] = _mm512_dpbf16_ps(lo[h], vl, p);
+                    hi[h] = _mm512_dpbf16_ps(hi[h], vh, p);
+                }
+            }
+            for (int64_t h = 0; h < hn; ++h) {
+                float* ah = acc + (h0 + h) * dim + d0;
+                const __m512 x = _mm512_permutex2var_ps(lo[h], first, hi[h]);
+                const __m512 y = _mm512_permutex2var_ps(lo[h], second, hi[h]);
+                _mm512_mask_storeu_ps(ah, (__mmask16)m, x);
+                _mm512_mask_storeu_ps(ah + 16, (__mmask16)(m >> 16), y);
+            }
+        }
+    }
+    return 1;
+}
 #else
 int avx512_bf16_available(void) { return 0; }
+
+static inline int bf16_values(const bf16_t* v_cache, const int64_t* sl, int64_t len, int64_t g,
+                              int64_t kv_heads, int64_t group, int64_t dim, const float* probs,
+                              uint32_t* pairs, float* acc) {
+    (void)v_cache; (void)sl; (void)len; (void)g; (void)kv_heads; (void)group; (void)dim;
+    (void)probs; (void)pairs; (void)acc;
+    return 0;
+}
 
 static inline int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int64_t* sl,
                               int64_t len, int64_t g, int64_t kv_heads, int64_t group, int64_t dim,
@@ -295,8 +369,9 @@ static inline int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int6
  * work item per (request, KV head): each key row is read once for the `heads / kv_heads` query
  * heads that share it (GQA), scores kept whole per item (bf16 on AVX-512 BF16: `bf16_scores`;
  * softmax in float32 with exp_f32; the weights rounded to the dtype before they multiply V, as
- * SDPA's CPU kernel does, their sum taken before), the weighted values summed in float32 and
- * rounded once. `max_len`: the longest request's keys (sizes each thread's score buffer).
+ * SDPA's CPU kernel does, their sum taken before), the weighted values summed in float32 (bf16
+ * on AVX-512 BF16: `bf16_values`, two keys a VDPBF16PS) and rounded once. `max_len`: the longest
+ * request's keys (sizes each thread's buffers).
  * Requires heads / kv_heads <= MAX_GROUP, dim <= MAX_DIM. */
 #define MAX_GROUP 16
 #define MAX_DIM 256
@@ -311,9 +386,10 @@ static inline int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int6
         _Pragma("omp parallel num_threads(threads) reduction(| : failed)")                     \
         {                                                                                      \
             float* scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1))); \
+            uint32_t* pairs = malloc(sizeof(uint32_t) * (size_t)(group * (max_len / 2 + 1)));   \
             float qf[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], row[MAX_DIM];              \
             float inv_sum[MAX_GROUP];                                                          \
-            failed = scores == NULL;                                                           \
+            failed = scores == NULL || pairs == NULL;                                          \
             _Pragma("omp for schedule(dynamic, 1)")                                            \
             for (int64_t item = 0; item < n * kv_heads; ++item) {                              \
                 if (failed) continue;                                                          \
@@ -355,6 +431,7 @@ static inline int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int6
                     }                                                                          \
                     inv_sum[h] = 1.0f / sum;                                                   \
                 }                                                                              \
+                if (!T##_values(v_cache, sl, len, g, kv_heads, group, dim, scores, pairs, acc)) { \
                 memset(acc, 0, sizeof(float) * (size_t)(group * dim));                         \
                 for (int64_t j = 0; j < len; ++j) {                                            \
                     const T##_t* v = v_cache + (sl[j] * kv_heads + g) * dim;                   \
@@ -367,6 +444,7 @@ static inline int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int6
                         for (int64_t d = 0; d < dim; ++d) ah[d] += p * row[d];                 \
                     }                                                                          \
                 }                                                                              \
+                }                                                                              \
                 for (int64_t h = 0; h < group; ++h) {                                          \
                     T##_t* o = out + (i * heads + g * group + h) * dim;                        \
                     _Pragma("omp simd")                                                        \
@@ -374,6 +452,7 @@ static inline int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int6
                 }                                                                              \
             }                                                                                  \
             free(scores);                                                                      \
+            free(pairs);                                                                       \
         }                                                                                      \
         return failed ? -2 : 0;                                                                \
     }
