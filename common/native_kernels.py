@@ -459,8 +459,7 @@ class NativeKernels:
         if weight.dtype != torch.bfloat16 or dim % 2:
             raise ValueError(f"pack_lm_head takes bf16 [vocab, even dim], got {weight.dtype} {dim}")
         weight = weight.contiguous()
-        blocks = -(-vocab // LM_HEAD_COLS)
-        packed = torch.empty(blocks * LM_HEAD_COLS * dim, dtype=torch.bfloat16)
+        packed = torch.empty(_packed_values(vocab, dim), dtype=torch.bfloat16)
         if self._lib.lm_head_pack_bf16(weight.data_ptr(), vocab, dim, packed.data_ptr()):
             raise ValueError(f"pack_lm_head: a dim of {dim} does not fit the kernel")
         return packed
@@ -495,8 +494,7 @@ class NativeKernels:
     ) -> None:
         rows = _rows(x)
         dim = rows.shape[1]
-        blocks = -(-vocab // LM_HEAD_COLS)
-        if rows.dtype != torch.bfloat16 or packed.numel() != blocks * LM_HEAD_COLS * dim:
+        if rows.dtype != torch.bfloat16 or packed.numel() != _packed_values(vocab, dim):
             raise ValueError(f"lm_head: bf16 rows of {dim} do not match the packed head")
         code = self._lib.lm_head_bf16(
             rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), vocab, dim,
@@ -517,10 +515,7 @@ class NativeKernels:
         to bf16 (a bf16 linear's roundings). Only where ``lm_head_fits``."""
         rows = _rows(x)
         dim = rows.shape[1]
-        if (
-            rows.dtype != torch.bfloat16
-            or packed.numel() != -(-n // LM_HEAD_COLS) * LM_HEAD_COLS * dim
-        ):
+        if rows.dtype != torch.bfloat16 or packed.numel() != _packed_values(n, dim):
             raise ValueError(f"linear: bf16 rows of {dim} do not match the packed weight")
         out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
         code = self._lib.linear_bf16(
@@ -562,6 +557,11 @@ def _check_attention_code(code: int, what: str, shape: str) -> None:
         raise ValueError(f"{what}: {shape} do not fit the kernel (or it is not built here)")
     if code:
         raise MemoryError(f"{what}: no memory for its packed keys")
+
+
+def _packed_values(n: int, dim: int) -> int:
+    """Values of a ``[n, dim]`` weight packed by ``pack_lm_head``: whole blocks of 16 columns."""
+    return -(-n // LM_HEAD_COLS) * LM_HEAD_COLS * dim
 
 
 def _threads(num_values: int) -> int:

@@ -62,10 +62,15 @@ typedef struct {
     int bad; /* a NaN or +inf logit */
 } Best;
 
+/* 16 bf16 values as float32 */
+static inline __m512 widen_bf16(__m256i x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
 /* float32 sums rounded to bf16 (nearest even), widened back to float32 */
 static inline __m512 round_bf16(__m512 sums, __m256i* as_bf16) {
     *as_bf16 = (__m256i)_mm512_cvtneps_pbh(sums);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(*as_bf16), 16));
+    return widen_bf16(*as_bf16);
 }
 
 /* `best` updated with the lanes `live` of a block's logits `v` (columns col0 + lane) */
@@ -97,8 +102,7 @@ static inline __attribute__((always_inline)) void head_block(
         }
     }
     if (bias) {
-        const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + col0)), 16));
+        const __m512 b = widen_bf16(_mm256_maskz_loadu_epi16(live, bias + col0));
         for (int r = 0; r < nr; ++r) acc[r] = _mm512_add_ps(acc[r], b);
     }
     for (int r = 0; r < nr; ++r) {
