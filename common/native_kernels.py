@@ -19,7 +19,10 @@ request's keys in the KV pool in place (``decode_attention``; where it wins,
 attention (``prefill_attention``) is a flash kernel of its own on AVX-512 BF16: 290-340
 GFLOP/s where torch's CPU flash kernel runs 95-150 and vLLM's CPU kernel ~160 (2 cores, Zen 4:
 a 1,170-token prompt's layer 6.3 -> 2.4 ms, an 8,659-token one's 287 -> 131 ms), as accurate as
-SDPA in bf16; it is not built for fp32, where SDPA stays. Tried and
+SDPA in bf16; it is not built for fp32, where SDPA stays. The LM head's greedy choice is screened
+on an int8 copy of its weight first where the CPU has AVX-512 VNNI too (``lm_head_screened``:
+the full pass's answer bit for bit from half the bytes; ``services/language/model/lm_head.py``
+says when it pays). Tried and
 left out: a fused SiLU-and-multiply in place of torch's ops (its division and exp made it no
 faster than torch's vectorized ops in bf16; it runs inside the native decoder's one call,
 ``native_decoder.c``, where it saves the calls, not arithmetic), a greedy row max (slower
@@ -42,6 +45,7 @@ wrappers copy other layouts once); anything else goes to torch's ops (``supports
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -97,6 +101,25 @@ BF16_SIGNATURES = {
     # (x, its row stride), rows, packed, vocab, dim, (logits, its row stride), best value,
     # best index, threads
     "lm_head": (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int),
+    # weight, vocab, dim, screen weight, screen bound terms, largest column norm (out)
+    "lm_head_screen_pack": (_ptr, _i64, _i64, _ptr, _ptr, _ptr),
+    # (x, its row stride), rows, packed, screen weight, screen bound terms, largest column norm,
+    # vocab, dim, best value, best index, threads, blocks rechecked (out)
+    "lm_head_screened": (
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _f32,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _int,
+        _ptr,
+    ),
     # (x, its row stride), rows, packed, n, dim, bias, (out, its row stride), threads
     "linear": (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int),
     # h, layers (DecoderLayerArgs[num_layers]), num_layers, step (DecoderStepArgs)
@@ -108,10 +131,13 @@ RETURNS = {
     "self_attention": ctypes.c_int,
     "lm_head_pack": ctypes.c_int,
     "lm_head": ctypes.c_int,
+    "lm_head_screen_pack": ctypes.c_int,
+    "lm_head_screened": ctypes.c_int,
     "linear": ctypes.c_int,
     "decoder_layers": ctypes.c_int,
 }
 LM_HEAD_COLS = 16  # vocabulary columns per block of the packed LM head
+SCREEN_BLOCK_PARAMS = 48  # the head screen's bound terms per block: three [16] arrays
 # the bf16 attention kernels' limits (head_dim a multiple of 16 up to 256, at most 32 query heads
 # per KV head); they run where the CPU has AVX-512 BF16 (``attention_fits``)
 ATTENTION_DIM_STEP, ATTENTION_MAX_DIM, ATTENTION_MAX_GROUP = 16, 256, 32
@@ -223,6 +249,20 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     return target
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadScreen:
+    """The LM head's int8 copy for screening greedy choices (``pack_lm_head_screen``): the
+    weight ``[blocks][dim / 4][16][4]``, each block's bound terms, the largest column's norm."""
+
+    weight: torch.Tensor
+    params: torch.Tensor
+    widest: float
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.params.nbytes
+
+
 class NativeKernels:
     """The loaded library's kernels as functions of tensors (see ``supports``)."""
 
@@ -239,6 +279,8 @@ class NativeKernels:
         # whether this build has the AVX-512 BF16 kernels: the bf16 attention kernels and LM
         # head (else they answer -1), decode attention's bf16 scores (else in float32)
         self.has_avx512_bf16 = bool(self._lib.avx512_bf16_available())
+        # whether it screens the head's greedy choice in int8 (AVX-512 VNNI too)
+        self.has_head_screen = bool(self._lib.lm_head_screen_available())
 
     def _fn(self, name: str, dtype: torch.dtype):
         return getattr(self._lib, f"{name}_{DTYPE_SUFFIX[dtype]}")
@@ -482,6 +524,51 @@ class NativeKernels:
         indices = torch.empty(x.shape[0], dtype=torch.long)
         self._lm_head(x, packed, vocab, None, values, indices)
         return values, indices
+
+    def pack_lm_head_screen(self, weight: torch.Tensor) -> HeadScreen | None:
+        """The int8 screen of ``weight`` ``[vocab, dim]`` (bf16) that ``lm_head_screened``
+        reads; None where it cannot be made (no AVX-512 VNNI, a dim not a multiple of 4, a
+        non-finite weight). See ``common/native_lm_head.c``."""
+        vocab, dim = weight.shape
+        if not self.has_head_screen or weight.dtype != torch.bfloat16 or dim % 4:
+            return None
+        weight = weight.contiguous()
+        blocks = -(-vocab // LM_HEAD_COLS)
+        q = torch.empty(blocks * LM_HEAD_COLS * dim, dtype=torch.uint8)
+        params = torch.empty(blocks * SCREEN_BLOCK_PARAMS, dtype=torch.float32)
+        widest = ctypes.c_float()
+        code = self._lib.lm_head_screen_pack_bf16(
+            weight.data_ptr(), vocab, dim, q.data_ptr(), params.data_ptr(), ctypes.byref(widest)
+        )
+        return None if code else HeadScreen(q, params, widest.value)
+
+    def lm_head_screened(
+        self, x: torch.Tensor, packed: torch.Tensor, screen: HeadScreen, vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """``lm_head_maxima``'s answer, bit for bit, found by reading ``screen`` (the int8 copy)
+        and then only the blocks of 16 columns it cannot rule out; the last value is how many
+        such blocks the rows ran through the full pass's routine together, None where the call
+        ran the full pass instead (a row the screen cannot bound, or too many columns kept)."""
+        rows = _rows(x)
+        dim = rows.shape[1]
+        if rows.dtype != torch.bfloat16 or packed.numel() != _packed_values(vocab, dim):
+            raise ValueError(f"lm_head: bf16 rows of {dim} do not match the packed head")
+        if screen.weight.numel() != -(-vocab // LM_HEAD_COLS) * LM_HEAD_COLS * dim:
+            raise ValueError(f"lm_head: rows of {dim} do not match the head's screen")
+        values = torch.empty(rows.shape[0], dtype=torch.float32)
+        indices = torch.empty(rows.shape[0], dtype=torch.long)
+        rechecked = ctypes.c_int64()
+        code = self._lib.lm_head_screened_bf16(
+            rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(),
+            screen.weight.data_ptr(), screen.params.data_ptr(), screen.widest, vocab, dim,
+            values.data_ptr(), indices.data_ptr(), torch.get_num_threads(),
+            ctypes.byref(rechecked),
+        )  # fmt: skip
+        if code == -1:
+            raise ValueError(f"lm_head: rows of {dim} do not fit the kernel (or it is not built)")
+        if code == -2:
+            raise MemoryError("lm_head: no memory for its packed rows")
+        return values, indices, rechecked.value if code == 0 else None
 
     def _lm_head(
         self,

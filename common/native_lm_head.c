@@ -24,6 +24,7 @@
  * float32 [rows] and best_index int64 [rows] (optional, NULL: not computed). Returns 0, -1 where
  * this build or the shape does not fit (no AVX-512 BF16; dim odd), -2 without memory.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,6 +51,89 @@ int lm_head_pack_bf16(const uint16_t* w, int64_t vocab, int64_t dim, uint16_t* p
             for (int64_t i = 0; i < pairs; ++i) dst[i * COLS + lane] = c < vocab ? row[i] : 0;
         }
     }
+    return 0;
+}
+
+/* ---- the greedy choice screened in int8 (AVX-512 VNNI) ----
+ *
+ * A row's largest logit is found in two passes that give the full pass's answer exactly. The
+ * screen reads an int8 copy of the weight (half the bytes, and VPDPBUSD makes four products a
+ * lane where VDPBF16PS makes two): column c's weight w = s·q + e (q + 128 as uint8, s = max|w| /
+ * 127, e the rounding), the row h = t·p + f likewise (p int8), so h·w = t·s·(p·q) + s·(f·q) + h·e,
+ * the last two at most |f|·s|q| + |h|·|e| (Cauchy–Schwarz, |·| the Euclidean norm). With a margin
+ * for the full pass's own float32 sums and bf16 rounding, each column gets an interval sure to
+ * hold its logit; a column whose interval lies below another's lower end cannot be the maximum
+ * nor tie it. The few left (about ten of 151,669 on a random-weight demo head) are recomputed by
+ * the full pass's own block routine, in column order, so the value, the column and the tie rule
+ * are the full pass's. Where the screen cannot bound a row (a NaN or infinite input, sums that
+ * could overflow) or keeps too many columns, the call runs the full pass instead.
+ *
+ * The screen's weight: q + 128 [blocks][dim / 4][16 columns][4] uint8 (columns past vocab 128),
+ * and per block three [16] float32 arrays: the scale s and the two bound factors of |h| and |f|.
+ * The row's quads (p int8) are the signed operand, broadcast from memory by the instruction. */
+#define SCREEN_SLOTS 2048 /* columns a thread keeps per row before dropping the ones now below */
+#define SCREEN_REFRESH 4  /* blocks between refreshes of a row's lower end */
+#define SCREEN_PARAMS 48  /* floats of bound terms per block: 3 x 16 */
+#define SCREEN_MAX_SUM 1e37 /* |h|·max|w| at most this: no float32 sum can overflow */
+
+/* A column's interval is a ∓ (c1·|a| + |h|·((1 + c1)|e| + c2·|w|) + |f|·(1 + c1)s|q| + tiny),
+ * a = t·s·(p·q) as the screen computes it. c1 = 2^-7 covers the bf16 rounding of the logit
+ * (2^-9 of it) and the screen's own float32 roundings; c2·|h|·|w| the full pass's float32 sums
+ * (at most dim·2^-24·Σ|h·w|: c2 = dim·2^-21 leaves a factor 8); tiny the subnormals VDPBF16PS
+ * flushes (FLT_MIN each, 8·dim of them). */
+static inline double rel_margin(void) { return 0x1p-7; }
+static inline double sum_margin(int64_t dim) { return (double)dim * 0x1p-21; }
+
+/* the screen's weight and bound terms for `w` [vocab][dim] (bf16); max_norm: the largest
+ * column's |w|. Returns 0, -1 for a dim not a multiple of 4, -3 for a non-finite weight. */
+int lm_head_screen_pack_bf16(const uint16_t* w, int64_t vocab, int64_t dim, uint8_t* q,
+                             float* params, float* max_norm) {
+    if (dim % 4 != 0 || dim <= 0) return -1;
+    const int64_t blocks = (vocab + COLS - 1) / COLS, quads = dim / 4;
+    const double c1 = rel_margin(), c2 = sum_margin(dim);
+    double widest = 0.0;
+    for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* dst = q + b * quads * COLS * 4;
+        float* prm = params + b * SCREEN_PARAMS;
+        for (int64_t lane = 0; lane < COLS; ++lane) {
+            const int64_t c = b * COLS + lane;
+            float scale = 0.0f;
+            double err2 = 0.0, q2 = 0.0, w2 = 0.0;
+            if (c < vocab) {
+                const uint16_t* row = w + c * dim;
+                float top = 0.0f;
+                for (int64_t d = 0; d < dim; ++d) {
+                    uint32_t bits = (uint32_t)row[d] << 16;
+                    float v;
+                    memcpy(&v, &bits, sizeof v);
+                    if (!isfinite(v)) return -3;
+                    top = fabsf(v) > top ? fabsf(v) : top;
+                }
+                scale = top / 127.0f;
+                for (int64_t d = 0; d < dim; ++d) {
+                    uint32_t bits = (uint32_t)row[d] << 16;
+                    float v;
+                    memcpy(&v, &bits, sizeof v);
+                    double k = scale > 0.0f ? nearbyint((double)v / scale) : 0.0;
+                    k = k > 127.0 ? 127.0 : k < -127.0 ? -127.0 : k;
+                    const double e = (double)v - (double)scale * k; /* exact in double */
+                    dst[(d / 4) * COLS * 4 + lane * 4 + d % 4] = (uint8_t)(k + 128.0);
+                    err2 += e * e;
+                    q2 += k * k;
+                    w2 += (double)v * v;
+                }
+            } else {
+                for (int64_t d = 0; d < dim; ++d) dst[(d / 4) * COLS * 4 + lane * 4 + d % 4] = 128;
+            }
+            widest = sqrt(w2) > widest ? sqrt(w2) : widest;
+            prm[lane] = scale;
+            /* |h|'s factor: |e| and the full pass's float32 error (at most c2·|h|·|w|) */
+            prm[COLS + lane] = (float)((1.0 + c1) * sqrt(err2) + c2 * sqrt(w2));
+            /* |f|'s factor: s·|q| */
+            prm[2 * COLS + lane] = (float)((1.0 + c1) * scale * sqrt(q2));
+        }
+    }
+    *max_norm = (float)(widest * (1.0 + 0x1p-20));
     return 0;
 }
 
@@ -253,6 +337,329 @@ int linear_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_
     return 0;
 }
 
+
+#if defined(__AVX512VNNI__)
+
+int lm_head_screen_available(void) { return 1; }
+
+typedef struct {
+    float hi;
+    int32_t col;
+} Kept;
+
+typedef struct {
+    float lo[COLS]; /* the largest lower end seen, per lane */
+    float floor;    /* the largest lower end known, refreshed every SCREEN_REFRESH blocks */
+    int kept, overflow;
+    Kept slot[SCREEN_SLOTS];
+} Screened;
+
+typedef struct {
+    float t, h_norm, f_norm; /* the row's scale, |h|, |f| (rounded up) */
+    int32_t offset;          /* 128 times the sum of p: the weights' +128 in the dot products */
+} RowTerms;
+
+static void refresh_floor(Screened* st) {
+    const float lo = _mm512_reduce_max_ps(_mm512_loadu_ps(st->lo));
+    st->floor = lo > st->floor ? lo : st->floor;
+}
+
+static void keep_columns(Screened* st, __mmask16 above, __m512 hi, int64_t col0) {
+    if (st->kept + COLS > SCREEN_SLOTS) { /* drop the kept columns now below the lower end */
+        refresh_floor(st);
+        int n = 0;
+        for (int k = 0; k < st->kept; ++k)
+            if (st->slot[k].hi >= st->floor) st->slot[n++] = st->slot[k];
+        st->kept = n;
+        if (n + COLS > SCREEN_SLOTS) {
+            st->overflow = 1;
+            return;
+        }
+    }
+    float his[COLS];
+    _mm512_storeu_ps(his, hi);
+    for (unsigned m = above; m; m &= m - 1) {
+        const int lane = __builtin_ctz(m);
+        st->slot[st->kept++] = (Kept){his[lane], (int32_t)(col0 + lane)};
+    }
+}
+
+/* acc + the products of w's uint8 quads with *x's int8 quad broadcast: gcc 12's intrinsic copies
+ * the accumulator each time and loads the broadcast apart; the instruction does neither */
+static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const uint32_t* x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
+/* a block's sums for `nr` rows (dots: [nr][16]) into their lower and upper ends: the rows'
+ * lower ends and the columns that may hold their maxima kept in `st`. Out of line: inlined, its
+ * per-row constants would be lifted out of the block loop and push the sums out of registers. */
+static __attribute__((noinline)) void screen_ends(const __m512i* dots, const float* prm,
+                                                  int64_t dim, int64_t col0, __mmask16 live,
+                                                  const RowTerms* terms, Screened* st, int nr) {
+    const __m512 scale = _mm512_loadu_ps(prm);
+    const __m512 h_factor = _mm512_loadu_ps(prm + COLS);
+    const __m512 f_factor = _mm512_loadu_ps(prm + 2 * COLS);
+    const __m512 c1 = _mm512_set1_ps((float)rel_margin());
+    const __m512 tiny = _mm512_set1_ps(FLT_MIN * 8.0f * (float)dim); /* flushed subnormals */
+    for (int r = 0; r < nr; ++r) {
+        const __m512 dot =
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[r], _mm512_set1_epi32(terms[r].offset)));
+        const __m512 a = _mm512_mul_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(terms[r].t)));
+        const __m512 bound = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(terms[r].h_norm), h_factor),
+                                           _mm512_mul_ps(_mm512_set1_ps(terms[r].f_norm), f_factor));
+        const __m512 margin =
+            _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(c1, _mm512_abs_ps(a)), bound), tiny);
+        const __m512 lo = _mm512_sub_ps(a, margin), hi = _mm512_add_ps(a, margin);
+        Screened* s = &st[r];
+        const __m512 seen = _mm512_loadu_ps(s->lo);
+        _mm512_storeu_ps(s->lo, _mm512_mask_max_ps(seen, live, seen, lo));
+        const __mmask16 above =
+            _mm512_mask_cmp_ps_mask(live, hi, _mm512_set1_ps(s->floor), _CMP_GE_OQ);
+        if (above && !s->overflow) keep_columns(s, above, hi, col0);
+    }
+}
+
+/* one block of the screen for `nr` rows, their int8 quads interleaved in xu: [quads][nr] */
+static inline __attribute__((always_inline)) void screen_block(
+    const uint32_t* xu, const uint8_t* block, const float* prm, int64_t quads, int64_t col0,
+    __mmask16 live, const RowTerms* terms, Screened* st, const int nr) {
+    __m512i acc[ROWS];
+    for (int r = 0; r < nr; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < quads; ++i) {
+        _mm_prefetch((const char*)(block + (i + PREFETCH_PAIRS) * COLS * 4), _MM_HINT_T0);
+        const __m512i w = _mm512_loadu_si512(block + i * COLS * 4);
+        for (int r = 0; r < nr; ++r) acc[r] = dpbusd_broadcast(acc[r], w, &xu[i * nr + r]);
+    }
+    __m512i dots[ROWS]; /* a copy: acc itself, its address taken, would live in memory */
+    for (int r = 0; r < nr; ++r) dots[r] = acc[r];
+    screen_ends(dots, prm, quads * 4, col0, live, terms, st, nr);
+}
+
+/* blocks [b0, b1) for every row; 1 when a row kept more columns than it has slots for */
+static int screen_range(const uint32_t* xu, int64_t rows, const uint8_t* q, const float* params,
+                        int64_t vocab, int64_t quads, int64_t b0, int64_t b1,
+                        const RowTerms* terms, Screened* st) {
+    for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* block = q + b * quads * COLS * 4;
+        const float* prm = params + b * SCREEN_PARAMS;
+        const int64_t col0 = b * COLS;
+        const __mmask16 live =
+            vocab - col0 >= COLS ? (__mmask16)0xFFFF : (__mmask16)((1u << (vocab - col0)) - 1u);
+        for (int64_t r = 0; r < rows;) {
+            const int nr = pass_rows(rows - r);
+            const uint32_t* xr = xu + r * quads;
+#define PASS(N) screen_block(xr, block, prm, quads, col0, live, terms + r, st + r, N)
+            switch (nr) {
+                case 16: PASS(16); break;
+                case 8: PASS(8); break;
+                case 4: PASS(4); break;
+                case 2: PASS(2); break;
+                default: PASS(1); break;
+            }
+#undef PASS
+            r += nr;
+        }
+        if ((b - b0) % SCREEN_REFRESH == SCREEN_REFRESH - 1)
+            for (int64_t r = 0; r < rows; ++r) {
+                if (st[r].overflow) return 1;
+                refresh_floor(&st[r]);
+            }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        if (st[r].overflow) return 1;
+    return 0;
+}
+
+/* the row's terms and its int8 quads (p); 0 where the screen cannot bound it */
+static int row_terms(const uint16_t* x, int64_t dim, float max_norm, int8_t* u, RowTerms* out) {
+    float top = 0.0f;
+    double h2 = 0.0;
+    for (int64_t d = 0; d < dim; ++d) {
+        uint32_t bits = (uint32_t)x[d] << 16;
+        float v;
+        memcpy(&v, &bits, sizeof v);
+        if (!isfinite(v)) return 0;
+        top = fabsf(v) > top ? fabsf(v) : top;
+        h2 += (double)v * v;
+    }
+    const double h_norm = sqrt(h2);
+    if (!(h_norm * max_norm <= SCREEN_MAX_SUM) || top == 0.0f) return 0;
+    const float t = top / 127.0f;
+    double f2 = 0.0;
+    int32_t sum = 0;
+    for (int64_t d = 0; d < dim; ++d) {
+        uint32_t bits = (uint32_t)x[d] << 16;
+        float v;
+        memcpy(&v, &bits, sizeof v);
+        double k = nearbyint((double)v / t);
+        k = k > 127.0 ? 127.0 : k < -127.0 ? -127.0 : k;
+        const double f = (double)v - (double)t * k;
+        f2 += f * f;
+        u[d] = (int8_t)k;
+        sum += (int32_t)k;
+    }
+    out->offset = sum * 128;
+    out->t = t;
+    out->h_norm = (float)(h_norm * (1.0 + 0x1p-20));
+    out->f_norm = (float)(sqrt(f2) * (1.0 + 0x1p-20));
+    return 1;
+}
+
+static int by_column(const void* a, const void* b) {
+    const int32_t x = *(const int32_t*)a, y = *(const int32_t*)b;
+    return (x > y) - (x < y);
+}
+
+/* row r's greedy choice from the columns its threads kept (cols: room for all of them), their
+ * blocks run through the full pass's routine in column order (blocks_run: how many); 0 if it has
+ * none (not expected) */
+static int recheck_row(const uint16_t* x, const uint16_t* packed, int64_t vocab, int64_t pairs,
+                       Screened* st, int64_t rows, int threads, int32_t* cols, Best* out,
+                       int64_t* blocks_run) {
+    float floor = -INFINITY;
+    for (int t = 0; t < threads; ++t) {
+        refresh_floor(&st[t * rows]);
+        floor = st[t * rows].floor > floor ? st[t * rows].floor : floor;
+    }
+    int64_t n = 0;
+    for (int t = 0; t < threads; ++t) {
+        const Screened* s = &st[t * rows];
+        for (int k = 0; k < s->kept; ++k)
+            if (s->slot[k].hi >= floor) cols[n++] = s->slot[k].col;
+    }
+    qsort(cols, (size_t)n, sizeof(int32_t), by_column);
+    Best best = {-INFINITY, -1, 0};
+    *blocks_run = 0;
+    for (int64_t k = 0; k < n; ++k) {
+        const int64_t b = cols[k] / COLS;
+        if (k > 0 && cols[k - 1] / COLS == b) continue;
+        ++*blocks_run;
+        const int64_t col0 = b * COLS;
+        const __mmask16 live =
+            vocab - col0 >= COLS ? (__mmask16)0xFFFF : (__mmask16)((1u << (vocab - col0)) - 1u);
+        head_block((const uint32_t*)x, (const uint32_t*)packed + b * pairs * COLS, pairs, col0,
+                   live, NULL, NULL, 0, &best, 1);
+    }
+    *out = best;
+    return best.index >= 0 && !best.bad;
+}
+
+/* The greedy choice of each row as lm_head_bf16 gives it (best_value, best_index; packed: its
+ * weight), screened in int8 first (q, params, max_norm: lm_head_screen_pack_bf16's); rechecked:
+ * the blocks of 16 columns the rows ran through the full pass's routine, all rows together.
+ * Returns 0 when screened, 1 when it ran the full pass instead, lm_head_bf16's codes on
+ * failure. */
+int lm_head_screened_bf16(const uint16_t* x, int64_t x_stride, int64_t rows,
+                          const uint16_t* packed, const uint8_t* q, const float* params,
+                          float max_norm, int64_t vocab, int64_t dim, float* best_value,
+                          int64_t* best_index, int threads, int64_t* rechecked) {
+    *rechecked = 0;
+    if (dim % 4 != 0 || rows < 0 || vocab <= 0) return -1;
+    if (rows == 0) return 0;
+    const int64_t blocks = (vocab + COLS - 1) / COLS, quads = dim / 4, pairs = dim / 2;
+    const int64_t chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
+    if (threads < 1) threads = 1;
+    if (threads > chunks) threads = (int)chunks;
+    int8_t* u = malloc((size_t)(rows * dim));
+    uint32_t* xu = malloc(sizeof(uint32_t) * (size_t)(rows * quads));
+    RowTerms* terms = malloc(sizeof(RowTerms) * (size_t)rows);
+    Screened* st = malloc(sizeof(Screened) * (size_t)(threads * rows));
+    int32_t* cols = malloc(sizeof(int32_t) * (size_t)(rows * threads * SCREEN_SLOTS));
+    Best* found = malloc(sizeof(Best) * (size_t)rows);
+    int code = 0;
+    if (!u || !xu || !terms || !st || !cols || !found) {
+        code = -2;
+        goto done;
+    }
+    for (int64_t r = 0; r < rows && code == 0; ++r)
+        if (!row_terms(x + r * x_stride, dim, max_norm, u + r * dim, &terms[r])) code = 1;
+    if (code) goto done;
+    /* each pass's rows with their quads interleaved, as pack_rows does for the pairs */
+    for (int64_t r = 0; r < rows;) {
+        const int nr = pass_rows(rows - r);
+        for (int64_t k = 0; k < nr; ++k) {
+            const uint32_t* row = (const uint32_t*)(u + (r + k) * dim);
+            for (int64_t i = 0; i < quads; ++i) xu[r * quads + i * nr + k] = row[i];
+        }
+        r += nr;
+    }
+    for (int64_t k = 0; k < threads * rows; ++k) {
+        for (int l = 0; l < COLS; ++l) st[k].lo[l] = -INFINITY;
+        st[k].floor = -INFINITY;
+        st[k].kept = st[k].overflow = 0;
+    }
+    int give_up = 0; /* a row kept too many columns: the other chunks are skipped */
+#pragma omp parallel num_threads(threads)
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; ++c) {
+            if (__atomic_load_n(&give_up, __ATOMIC_RELAXED)) continue;
+            const int64_t b0 = c * CHUNK_BLOCKS;
+            const int64_t b1 = b0 + CHUNK_BLOCKS < blocks ? b0 + CHUNK_BLOCKS : blocks;
+            if (screen_range(xu, rows, q, params, vocab, quads, b0, b1, terms, st + t * rows))
+                __atomic_store_n(&give_up, 1, __ATOMIC_RELAXED);
+        }
+    }
+    if (give_up) {
+        code = 1;
+        goto done;
+    }
+    int missed = 0;
+    int64_t run = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : missed) \
+    reduction(+ : run)
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t row_run = 0;
+        missed |= !recheck_row(x + r * x_stride, packed, vocab, pairs, st + r, rows, threads,
+                               cols + r * threads * SCREEN_SLOTS, &found[r], &row_run);
+        run += row_run;
+    }
+    *rechecked = run;
+    if (missed) { /* cannot happen with the bounds: be safe */
+        code = 1;
+        goto done;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        best_value[r] = found[r].value;
+        best_index[r] = found[r].index;
+    }
+done:
+    free(found);
+    free(u);
+    free(xu);
+    free(terms);
+    free(st);
+    free(cols);
+    if (code == 1) {
+        const int full = lm_head_bf16(x, x_stride, rows, packed, vocab, dim, NULL, 0, best_value,
+                                      best_index, threads);
+        return full ? full : 1;
+    }
+    return code;
+}
+
+#else /* AVX-512 BF16 without VNNI */
+
+int lm_head_screen_available(void) { return 0; }
+
+int lm_head_screened_bf16(const uint16_t* x, int64_t x_stride, int64_t rows,
+                          const uint16_t* packed, const uint8_t* q, const float* params,
+                          float max_norm, int64_t vocab, int64_t dim, float* best_value,
+                          int64_t* best_index, int threads, int64_t* rechecked) {
+    (void)q; (void)params; (void)max_norm;
+    *rechecked = 0;
+    const int full = lm_head_bf16(x, x_stride, rows, packed, vocab, dim, NULL, 0, best_value,
+                                  best_index, threads);
+    return full ? full : 1;
+}
+
+#endif
+
 #else
 
 int linear_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* packed,
@@ -268,6 +675,17 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
                  float* best_value, int64_t* best_index, int threads) {
     (void)x; (void)x_stride; (void)rows; (void)packed; (void)vocab; (void)dim; (void)logits;
     (void)logits_stride; (void)best_value; (void)best_index; (void)threads;
+    return -1;
+}
+
+int lm_head_screen_available(void) { return 0; }
+
+int lm_head_screened_bf16(const uint16_t* x, int64_t x_stride, int64_t rows,
+                          const uint16_t* packed, const uint8_t* q, const float* params,
+                          float max_norm, int64_t vocab, int64_t dim, float* best_value,
+                          int64_t* best_index, int threads, int64_t* rechecked) {
+    (void)x; (void)x_stride; (void)rechecked; (void)rows; (void)packed; (void)q; (void)params; (void)max_norm;
+    (void)vocab; (void)dim; (void)best_value; (void)best_index; (void)threads;
     return -1;
 }
 

@@ -493,6 +493,142 @@ def test_lm_head_reads_rows_of_a_wider_tensor_and_refuses_a_mismatched_head():
     assert not KERNELS.lm_head_fits(torch.bfloat16, 7)
 
 
+SCREEN = LM_HEAD and KERNELS.has_head_screen
+requires_screen = pytest.mark.skipif(not SCREEN, reason="no AVX-512 VNNI head screen here")
+
+
+def screened_and_full(x, weight):
+    vocab = weight.shape[0]
+    packed = KERNELS.pack_lm_head(weight)
+    screen = KERNELS.pack_lm_head_screen(weight)
+    assert screen is not None
+    return KERNELS.lm_head_screened(x, packed, screen, vocab), KERNELS.lm_head_maxima(
+        x, packed, vocab
+    )
+
+
+@requires_screen
+@pytest.mark.parametrize(
+    "rows,dim,vocab",
+    [
+        (1, 64, 16),  # one row, one block
+        (13, 256, 1000),  # 8 + 4 + 1 rows a pass; the last block 8 columns wide
+        (16, 128, 4099),  # a whole pass; 3 columns in the last block
+        (37, 2048, 515),  # 2 passes of 16 and 4 + 1; a wide hidden size
+        (3, 4, 33),  # the narrowest hidden size
+    ],
+)
+@pytest.mark.parametrize("weights", ["gaussian", "heavy-tailed", "rows of mixed scale"])
+def test_screened_head_gives_the_full_pass_choice_bit_for_bit(rows, dim, vocab, weights):
+    """The int8 screen, then the bf16 pass over the blocks it cannot rule out: each row's
+    largest logit and its first column are the full pass's exactly, over seeds and weight
+    shapes (outliers make the int8 steps coarse, rows of very different norms)."""
+    for seed in range(8):
+        gen = torch.Generator().manual_seed(seed * 7919 + rows * dim + vocab)
+        weight = torch.randn(vocab, dim, generator=gen) * dim**-0.5
+        x = torch.randn(rows, dim, generator=gen)
+        if weights == "heavy-tailed":
+            weight = weight**3
+        elif weights == "rows of mixed scale":
+            x = x * torch.logspace(-3, 3, rows)[:, None]
+        (values, indices, rechecked), (want_values, want_indices) = screened_and_full(
+            x.bfloat16(), weight.bfloat16()
+        )
+        assert torch.equal(indices, want_indices) and torch.equal(values, want_values)
+        assert rechecked is not None and rows <= rechecked <= rows * -(-vocab // 16)
+
+
+@requires_screen
+def test_screened_head_keeps_the_first_of_ties_and_runs_the_full_pass_where_it_cannot_bound():
+    dim, vocab = 32, 70
+    weight = torch.zeros(vocab, dim, dtype=torch.bfloat16)
+    weight[[5, 21, 69], 0] = 1.0  # three columns tie for the maximum, in three blocks
+    weight[40, 1] = 1.0
+    weight[:, 2] = 0.25  # every logit of row 1 nonzero
+    x = torch.zeros(2, dim, dtype=torch.bfloat16)
+    x[0, 0] = 2.0  # columns 5, 21, 69 all 2: the first one
+    x[1, 1], x[1, 2] = 3.0, 1.0  # column 40 alone
+    (values, indices, rechecked), _ = screened_and_full(x, weight)
+    assert indices.tolist() == [5, 40] and values.tolist() == [2.0, 3.25]
+    assert rechecked is not None
+    for row, why in [
+        (float("nan"), "a NaN input"),
+        (float("inf"), "an infinite input"),
+        (0.0, "a row of zeros (every logit ties)"),
+        (1e37, "sums that could overflow float32"),
+    ]:
+        x = torch.full((1, dim), row, dtype=torch.bfloat16)
+        (values, indices, rechecked), (want_values, want_indices) = screened_and_full(x, weight)
+        assert rechecked is None, why
+        assert torch.equal(indices, want_indices), why
+        assert torch.equal(values, want_values) or (values.isnan() & want_values.isnan()).all()
+
+
+@requires_screen
+def test_screened_head_gives_up_on_a_row_that_keeps_too_many_columns():
+    """5,000 equal columns all reach the best lower end: more than a thread keeps; the call
+    runs the full pass (the first of them wins)."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(6000, 64, generator=gen).bfloat16()
+    weight[1000:] = weight[999]
+    x = weight[999:1000].clone()
+    (values, indices, rechecked), (want_values, want_indices) = screened_and_full(x, weight)
+    assert rechecked is None
+    assert indices.tolist() == want_indices.tolist() == [999]
+    assert torch.equal(values, want_values)
+
+
+@requires_screen
+def test_head_screen_is_made_only_where_it_can_bound_the_weight():
+    assert KERNELS.pack_lm_head_screen(torch.zeros(8, 6, dtype=torch.bfloat16)) is None  # dim
+    assert KERNELS.pack_lm_head_screen(torch.zeros(8, 8)) is None  # float32
+    weight = torch.ones(8, 8, dtype=torch.bfloat16)
+    weight[3, 3] = float("inf")
+    assert KERNELS.pack_lm_head_screen(weight) is None
+    screen = KERNELS.pack_lm_head_screen(torch.ones(20, 8, dtype=torch.bfloat16))
+    assert screen.weight.numel() == 32 * 8 and screen.nbytes == 32 * 8 + 2 * 48 * 4
+    packed = KERNELS.pack_lm_head(torch.ones(40, 8, dtype=torch.bfloat16))  # another head
+    with pytest.raises(ValueError, match="do not match the head's screen"):
+        KERNELS.lm_head_screened(torch.ones(1, 8).bfloat16(), packed, screen, 40)
+
+
+@requires_screen
+def test_the_head_screens_while_rows_recheck_few_blocks_and_tries_again_later():
+    """``NativeLMHead.maxima``: the screen while its rows would recheck at most a quarter of
+    the head; on a head where every column ties, a screened call gives up, so the head stops
+    screening and tries again after ``SCREEN_RETRY`` calls. Its answers are the full pass's."""
+    from services.language.model import lm_head
+    from services.language.model.lm_head import NativeLMHead
+
+    class Counting:  # the real kernels, their screened calls counted
+        def __init__(self):
+            self.screened = 0
+
+        def __getattr__(self, name):
+            return getattr(KERNELS, name)
+
+        def lm_head_screened(self, *args):
+            self.screened += 1
+            return KERNELS.lm_head_screened(*args)
+
+    gen = torch.Generator().manual_seed(11)
+    native = Counting()
+    distinct = NativeLMHead(torch.randn(4000, 64, generator=gen).bfloat16(), native)
+    x = torch.randn(16, 64, generator=gen).bfloat16()
+    for _ in range(5):
+        assert all(map(torch.equal, distinct.maxima(x), distinct.native.lm_head_maxima(
+            x, distinct.packed_weight, 4000)))  # fmt: skip
+    assert native.screened == 5 and distinct.rechecked_per_row < 16
+
+    native = Counting()
+    # every logit ties: more columns kept than a thread has room for, even with 16 threads
+    tied = NativeLMHead(torch.ones(40000, 64).bfloat16(), native)
+    want = tied.native.lm_head_maxima(x[:1], tied.packed_weight, 40000)
+    for _ in range(lm_head.SCREEN_RETRY + 1):
+        assert all(map(torch.equal, tied.maxima(x[:1]), want))
+    assert native.screened == 2  # the first call, then one try after SCREEN_RETRY calls
+
+
 @requires_lm_head
 @pytest.mark.parametrize(
     "rows,dim,n,bias",
