@@ -56,6 +56,7 @@ from services.gateway.http.convert import (
 from services.gateway.http.dashboard import DashboardSampler
 from services.gateway.http.errors import HttpError, from_gateway, invalid, outcome_of, status_error
 from services.gateway.http.guard import Guard, key_problem
+from services.gateway.http.json_body import JsonBodyRoute
 from services.gateway.http.replies import ChunkWriter, Head, dumps
 from services.gateway.http.responses import AnswerResponse, AnswerWriter
 from services.gateway.registry import ROLES, Role, WorkerRegistry
@@ -156,6 +157,7 @@ def create_app(ctx: HttpContext) -> ASGIApp:
         docs_url=None,
         redoc_url=None,
     )
+    app.router.route_class = JsonBodyRoute  # before any route is added
     _add_error_handlers(app, ctx)
 
     @app.post(CHAT_PATH, response_model=None, responses=CHAT_RESPONSES)
