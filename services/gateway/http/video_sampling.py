@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from protos.epd.v1 import common_pb2
@@ -84,7 +85,7 @@ def part_sampling(video_url: dict, where: str) -> common_pb2.VideoSampling:
 
 
 def apply_request_sampling(
-    messages: list[common_pb2.ChatMessage], request: common_pb2.VideoSampling
+    messages: Iterable[common_pb2.ChatMessage], request: common_pb2.VideoSampling
 ) -> None:
     """Fill each video part's unset keys from ``request`` and check the merged minimums."""
     for i, message in enumerate(messages):
