@@ -45,7 +45,8 @@ class LanguageConfig:
         help="kernels of the RMSNorms, the rotary embedding with its KV write, (GQA groups "
         "of up to 4 query heads, 8 in bf16 on AVX-512 BF16) decode attention and, in bf16 on a "
         "CPU with AVX-512 BF16, the LM head (a step of greedy rows takes each row's maximum "
-        "without writing its logits): "
+        "without writing its logits, screened on an int8 copy first where the CPU has AVX-512 "
+        "VNNI): "
         "auto (native on a CPU where they build, else torch) | torch (torch's ops, the "
         "reference) | native (C kernels built at first use with the system's C compiler; an "
         "error where they cannot run)",
