@@ -202,6 +202,21 @@ static inline int pass_rows(int64_t left) {
     return left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
+/* PASS(N) for a pass of nr = pass_rows(...) rows: N a constant, so each size compiles apart */
+#define FOR_PASS_SIZE(nr)          \
+    switch (nr) {                  \
+        case 16: PASS(16); break;  \
+        case 8: PASS(8); break;    \
+        case 4: PASS(4); break;    \
+        case 2: PASS(2); break;    \
+        default: PASS(1); break;   \
+    }
+
+/* the lanes of the block from column col0 that are inside a vocabulary of n columns */
+static inline __mmask16 block_lanes(int64_t n, int64_t col0) {
+    return n - col0 >= COLS ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - col0)) - 1u);
+}
+
 /* every row over blocks [b0, b1): each block read from memory once, then one pass per group of
  * rows over it (xp: each pass's rows as [pairs][rows of the pass], passes one after another) */
 static void head_range(const uint32_t* xp, int64_t rows, const uint32_t* packed, int64_t vocab,
@@ -210,36 +225,30 @@ static void head_range(const uint32_t* xp, int64_t rows, const uint32_t* packed,
     for (int64_t b = b0; b < b1; ++b) {
         const uint32_t* block = packed + b * pairs * COLS;
         const int64_t col0 = b * COLS;
-        const __mmask16 live =
-            vocab - col0 >= COLS ? (__mmask16)0xFFFF : (__mmask16)((1u << (vocab - col0)) - 1u);
+        const __mmask16 live = block_lanes(vocab, col0);
         for (int64_t r = 0; r < rows;) {
             const int nr = pass_rows(rows - r);
             const uint32_t* xr = xp + r * pairs;
             uint16_t* lr = logits ? logits + r * logits_stride : NULL;
             Best* br = best ? best + r : NULL;
 #define PASS(N) head_block(xr, block, pairs, col0, live, bias, lr, logits_stride, br, N)
-            switch (nr) {
-                case 16: PASS(16); break;
-                case 8: PASS(8); break;
-                case 4: PASS(4); break;
-                case 2: PASS(2); break;
-                default: PASS(1); break;
-            }
+            FOR_PASS_SIZE(nr)
 #undef PASS
             r += nr;
         }
     }
 }
 
-/* each pass's rows with their pairs interleaved ([pairs][rows of the pass], passes one after
- * another): a step over the pairs reads one cache line of x for every row of the pass */
-static void pack_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t pairs,
+/* each pass's rows with their 32-bit words interleaved ([words][rows of the pass], passes one
+ * after another; rows `row_bytes` apart from x): a step over the words reads one cache line of x
+ * for every row of the pass. A bf16 row's words are its pairs, an int8 row's its quads. */
+static void pack_rows(const void* x, int64_t row_bytes, int64_t rows, int64_t words,
                       uint32_t* xp) {
     for (int64_t r = 0; r < rows;) {
         const int nr = pass_rows(rows - r);
         for (int64_t k = 0; k < nr; ++k) {
-            const uint32_t* row = (const uint32_t*)(x + (r + k) * x_stride);
-            for (int64_t i = 0; i < pairs; ++i) xp[r * pairs + i * nr + k] = row[i];
+            const uint32_t* row = (const uint32_t*)((const char*)x + (r + k) * row_bytes);
+            for (int64_t i = 0; i < words; ++i) xp[r * words + i * nr + k] = row[i];
         }
         r += nr;
     }
@@ -263,7 +272,7 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
         free(partial);
         return -2;
     }
-    pack_rows(x, x_stride, rows, pairs, xp);
+    pack_rows(x, x_stride * 2, rows, pairs, xp);
     for (int64_t k = 0; partial && k < threads * rows; ++k) partial[k] = (Best){-INFINITY, -1, 0};
 #pragma omp parallel num_threads(threads)
     {
@@ -324,7 +333,7 @@ int linear_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_
     if (!xp) return -2;
     for (int64_t p0 = 0; p0 < rows; p0 += panel) {
         const int64_t np = rows - p0 < panel ? rows - p0 : panel;
-        pack_rows(x + p0 * x_stride, x_stride, np, pairs, xp);
+        pack_rows(x + p0 * x_stride, x_stride * 2, np, pairs, xp);
         uint16_t* o = out + p0 * out_stride;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
         for (int64_t c = 0; c < chunks; ++c) {
@@ -444,19 +453,12 @@ static int screen_range(const uint32_t* xu, int64_t rows, const uint8_t* q, cons
         const uint8_t* block = q + b * quads * COLS * 4;
         const float* prm = params + b * SCREEN_PARAMS;
         const int64_t col0 = b * COLS;
-        const __mmask16 live =
-            vocab - col0 >= COLS ? (__mmask16)0xFFFF : (__mmask16)((1u << (vocab - col0)) - 1u);
+        const __mmask16 live = block_lanes(vocab, col0);
         for (int64_t r = 0; r < rows;) {
             const int nr = pass_rows(rows - r);
             const uint32_t* xr = xu + r * quads;
 #define PASS(N) screen_block(xr, block, prm, quads, col0, live, terms + r, st + r, N)
-            switch (nr) {
-                case 16: PASS(16); break;
-                case 8: PASS(8); break;
-                case 4: PASS(4); break;
-                case 2: PASS(2); break;
-                default: PASS(1); break;
-            }
+            FOR_PASS_SIZE(nr)
 #undef PASS
             r += nr;
         }
@@ -536,8 +538,7 @@ static int recheck_row(const uint16_t* x, const uint16_t* packed, int64_t vocab,
         if (k > 0 && cols[k - 1] / COLS == b) continue;
         ++*blocks_run;
         const int64_t col0 = b * COLS;
-        const __mmask16 live =
-            vocab - col0 >= COLS ? (__mmask16)0xFFFF : (__mmask16)((1u << (vocab - col0)) - 1u);
+        const __mmask16 live = block_lanes(vocab, col0);
         head_block((const uint32_t*)x, (const uint32_t*)packed + b * pairs * COLS, pairs, col0,
                    live, NULL, NULL, 0, &best, 1);
     }
@@ -575,15 +576,7 @@ int lm_head_screened_bf16(const uint16_t* x, int64_t x_stride, int64_t rows,
     for (int64_t r = 0; r < rows && code == 0; ++r)
         if (!row_terms(x + r * x_stride, dim, max_norm, u + r * dim, &terms[r])) code = 1;
     if (code) goto done;
-    /* each pass's rows with their quads interleaved, as pack_rows does for the pairs */
-    for (int64_t r = 0; r < rows;) {
-        const int nr = pass_rows(rows - r);
-        for (int64_t k = 0; k < nr; ++k) {
-            const uint32_t* row = (const uint32_t*)(u + (r + k) * dim);
-            for (int64_t i = 0; i < quads; ++i) xu[r * quads + i * nr + k] = row[i];
-        }
-        r += nr;
-    }
+    pack_rows(u, dim, rows, quads, xu);
     for (int64_t k = 0; k < threads * rows; ++k) {
         for (int l = 0; l < COLS; ++l) st[k].lo[l] = -INFINITY;
         st[k].floor = -INFINITY;

@@ -428,16 +428,19 @@ LM_HEAD = KERNELS is not None and KERNELS.has_avx512_bf16
 requires_lm_head = pytest.mark.skipif(not LM_HEAD, reason="no AVX-512 BF16 LM head kernel here")
 
 
+# (rows, dim, vocab) the head kernels are checked at
+HEAD_SHAPES = [
+    (1, 64, 16),  # one row, one block
+    (13, 256, 1000),  # 8 + 4 + 1 rows a pass; the last block 8 columns wide
+    (16, 128, 4099),  # a whole pass; 3 columns in the last block
+    (37, 2048, 515),  # 2 passes of 16 and 4 + 1; a wide hidden size
+]
+
+
 @requires_lm_head
 @pytest.mark.parametrize(
     "rows,dim,vocab",
-    [
-        (1, 64, 16),  # one row, one block
-        (13, 256, 1000),  # 8 + 4 + 1 rows a pass; the last block 8 columns wide
-        (16, 128, 4099),  # a whole pass; 3 columns in the last block
-        (37, 2048, 515),  # 2 passes of 16 and 4 + 1; a wide hidden size
-        (5, 6, 33),  # a hidden size that is no multiple of 16
-    ],
+    [*HEAD_SHAPES, (5, 6, 33)],  # a hidden size that is no multiple of 16
 )
 def test_lm_head_is_as_accurate_as_a_bf16_linear(rows, dim, vocab):
     """Against float32 on the same bf16 inputs, the head's logits are within one bf16 step of
@@ -508,16 +511,7 @@ def screened_and_full(x, weight):
 
 
 @requires_screen
-@pytest.mark.parametrize(
-    "rows,dim,vocab",
-    [
-        (1, 64, 16),  # one row, one block
-        (13, 256, 1000),  # 8 + 4 + 1 rows a pass; the last block 8 columns wide
-        (16, 128, 4099),  # a whole pass; 3 columns in the last block
-        (37, 2048, 515),  # 2 passes of 16 and 4 + 1; a wide hidden size
-        (3, 4, 33),  # the narrowest hidden size
-    ],
-)
+@pytest.mark.parametrize("rows,dim,vocab", [*HEAD_SHAPES, (3, 4, 33)])  # the narrowest dim
 @pytest.mark.parametrize("weights", ["gaussian", "heavy-tailed", "rows of mixed scale"])
 def test_screened_head_gives_the_full_pass_choice_bit_for_bit(rows, dim, vocab, weights):
     """The int8 screen, then the bf16 pass over the blocks it cannot rule out: each row's
