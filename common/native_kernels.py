@@ -105,21 +105,7 @@ BF16_SIGNATURES = {
     "lm_head_screen_pack": (_ptr, _i64, _i64, _ptr, _ptr, _ptr),
     # (x, its row stride), rows, packed, screen weight, screen bound terms, largest column norm,
     # vocab, dim, best value, best index, threads, blocks rechecked (out)
-    "lm_head_screened": (
-        _ptr,
-        _i64,
-        _i64,
-        _ptr,
-        _ptr,
-        _ptr,
-        _f32,
-        _i64,
-        _i64,
-        _ptr,
-        _ptr,
-        _int,
-        _ptr,
-    ),
+    "lm_head_screened": (_ptr, _i64, _i64, *(_ptr,) * 3, _f32, _i64, _i64, _ptr, _ptr, _int, _ptr),
     # (x, its row stride), rows, packed, n, dim, bias, (out, its row stride), threads
     "linear": (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int),
     # h, layers (DecoderLayerArgs[num_layers]), num_layers, step (DecoderStepArgs)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.native_kernels import LM_HEAD_COLS, HeadScreen, NativeKernels
+from common.native_kernels import LM_HEAD_COLS, NativeKernels
 
 # screened while a call's rows would recheck at most this share of the head's blocks
 SCREEN_SHARE = 0.25
@@ -47,10 +47,7 @@ class NativeLMHead(nn.Module):
         self.native = native
         packed = native.pack_lm_head(weight.detach())
         self.register_buffer("packed_weight", packed, persistent=False)
-        screen = native.pack_lm_head_screen(weight.detach())
-        self.screen_widest = None if screen is None else screen.widest
-        self.register_buffer("screen_weight", screen and screen.weight, persistent=False)
-        self.register_buffer("screen_params", screen and screen.params, persistent=False)
+        self.screen = native.pack_lm_head_screen(weight.detach())  # None: no screen here
         self.blocks = -(-self.out_features // LM_HEAD_COLS)
         self.rechecked_per_row = 0.0  # running count of the blocks a screened row rechecks
         self.calls_unscreened = 0
@@ -63,7 +60,7 @@ class NativeLMHead(nn.Module):
         """Each row's largest logit (float32 [n]; NaN where a logit is NaN or +inf) and the first
         token holding it (long [n])."""
         rows = h.shape[0]
-        if self.screen_weight is None or rows == 0:
+        if self.screen is None or rows == 0:
             return self.native.lm_head_maxima(h, self.packed_weight, self.out_features)
         fits = rows * self.rechecked_per_row <= self.blocks * SCREEN_SHARE
         if not fits:
@@ -71,9 +68,8 @@ class NativeLMHead(nn.Module):
             if self.calls_unscreened < SCREEN_RETRY:
                 return self.native.lm_head_maxima(h, self.packed_weight, self.out_features)
         self.calls_unscreened = 0
-        screen = HeadScreen(self.screen_weight, self.screen_params, self.screen_widest)
         values, indices, rechecked = self.native.lm_head_screened(
-            h, self.packed_weight, screen, self.out_features
+            h, self.packed_weight, self.screen, self.out_features
         )
         if rechecked is None:  # it gave up (a row it cannot bound, too many columns): stop
             self.rechecked_per_row = float(self.blocks)
@@ -84,5 +80,5 @@ class NativeLMHead(nn.Module):
         return values, indices
 
     def extra_repr(self) -> str:
-        screened = ", screened in int8" if self.screen_weight is not None else ""
+        screened = ", screened in int8" if self.screen is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, native{screened}"
