@@ -567,9 +567,8 @@ int lm_head_screened_bf16(const uint16_t* x, int64_t x_stride, int64_t rows,
     RowTerms* terms = malloc(sizeof(RowTerms) * (size_t)rows);
     Screened* st = malloc(sizeof(Screened) * (size_t)(threads * rows));
     int32_t* cols = malloc(sizeof(int32_t) * (size_t)(rows * threads * SCREEN_SLOTS));
-    Best* found = malloc(sizeof(Best) * (size_t)rows);
     int code = 0;
-    if (!u || !xu || !terms || !st || !cols || !found) {
+    if (!u || !xu || !terms || !st || !cols) {
         code = -2;
         goto done;
     }
@@ -602,27 +601,23 @@ int lm_head_screened_bf16(const uint16_t* x, int64_t x_stride, int64_t rows,
         code = 1;
         goto done;
     }
+    /* each row's choice straight into the outputs: the full pass overwrites them if one missed */
     int missed = 0;
     int64_t run = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : missed) \
     reduction(+ : run)
     for (int64_t r = 0; r < rows; ++r) {
         int64_t row_run = 0;
+        Best best;
         missed |= !recheck_row(x + r * x_stride, packed, vocab, pairs, st + r, rows, threads,
-                               cols + r * threads * SCREEN_SLOTS, &found[r], &row_run);
+                               cols + r * threads * SCREEN_SLOTS, &best, &row_run);
+        best_value[r] = best.value;
+        best_index[r] = best.index;
         run += row_run;
     }
     *rechecked = run;
-    if (missed) { /* cannot happen with the bounds: be safe */
-        code = 1;
-        goto done;
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-        best_value[r] = found[r].value;
-        best_index[r] = found[r].index;
-    }
+    if (missed) code = 1; /* cannot happen with the bounds: be safe */
 done:
-    free(found);
     free(u);
     free(xu);
     free(terms);
