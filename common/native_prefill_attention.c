@@ -17,8 +17,10 @@
  *   before its bf16 matrix product), two keys' values interleaved as [16 key pairs][dim] pairs,
  *   a pair of probabilities broadcast: 16 output lanes per instruction.
  * Scores are float32 sums of exact bf16 products, scaled by `scale * log2(e)` and exponentiated as
- * powers of two (a degree-7 polynomial, within ~2e-7 relative). The output is divided by the sum
- * and rounded to bf16 to nearest even.
+ * powers of two (a degree-5 polynomial, within 1e-7 relative). A row's running maximum moves only
+ * when a score passes it by more than 8 (log2 units: a term is then at most 2^8, far inside
+ * float32's and bf16's range), so most blocks take no reduction and no rescale; the running sum
+ * stays per lane until the end. The output is divided by the sum and rounded to bf16 to nearest even.
  *
  * Layouts (strides count elements): q [tokens] rows `q_stride` apart, each [heads][dim]; k and v
  * [keys] rows `k_stride` / `v_stride` apart, each [kv_heads][dim]; out like q, `out_stride`.
@@ -38,21 +40,21 @@
 #define ROWS_MAX 32   /* query rows per work item (a group's heads times its tokens) */
 #define ROWS_AT 4     /* rows per pass through a key block */
 #define DIM_MAX 256
+#define LAZY 8.0f     /* how far (log2) a score may pass the running maximum before it moves */
 
-/* 2^x for x <= 0 (clamped at -126: the result is then ~1e-38, and masked lanes are zeroed by the
- * caller): 2^round(x) * 2^f, f in [-0.5, 0.5], 2^f by Taylor's series of e^(f ln 2) to degree 7 */
+/* 2^x for x <= LAZY (clamped at -126: the result is then ~1e-38, and masked lanes are zeroed by
+ * the caller): 2^round(x) * 2^f, f in [-0.5, 0.5], 2^f by a degree-5 minimax polynomial (relative
+ * error under 1e-7) */
 static inline __m512 exp2_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5252733804e-5f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393e-4f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(1.3276471291e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755409613e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507130921e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120237e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694405e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192e+0f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -148,7 +150,8 @@ DEFINE_BLOCK_VALUES(1, __attribute__((noinline)))
 typedef struct {
     float scores[ROWS_MAX][BLOCK];
     uint16_t probs[ROWS_MAX][BLOCK];
-    float alpha[ROWS_MAX], max[ROWS_MAX], sum[ROWS_MAX];
+    float sum[ROWS_MAX][16]; /* the running sum of exponentials, per lane */
+    float alpha[ROWS_MAX], max[ROWS_MAX];
     float out[ROWS_MAX][DIM_MAX];
 } Scratch;
 
@@ -174,7 +177,7 @@ static void attend(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t o
         orows[r] = s->out[r];
         lim[r] = causal ? offset + t : kv_len - 1;
         s->max[r] = -INFINITY;
-        s->sum[r] = 0.0f;
+        _mm512_store_ps(s->sum[r], _mm512_setzero_ps());
         memset(s->out[r], 0, (size_t)dim * sizeof(float));
     }
     const __m512 scale = _mm512_set1_ps(scale_log2);
@@ -193,23 +196,41 @@ static void attend(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t o
             if (masked) {
                 m0 = visible(lim[r] - j0);
                 m1 = visible(lim[r] - j0 - 16);
+                const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                s0 = _mm512_mask_mov_ps(ninf, m0, s0);
+                s1 = _mm512_mask_mov_ps(ninf, m1, s1);
             }
-            const __m512 ninf = _mm512_set1_ps(-INFINITY);
-            s0 = _mm512_mask_mov_ps(ninf, m0, s0);
-            s1 = _mm512_mask_mov_ps(ninf, m1, s1);
-            const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-            const float new_max = block_max > s->max[r] ? block_max : s->max[r];
-            const __m512 mx = _mm512_set1_ps(new_max);
-            const __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_ps(_mm512_sub_ps(s0, mx)));
-            const __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_ps(_mm512_sub_ps(s1, mx)));
-            /* the old maximum's share, 2^(old - new): 0 before the first block (old = -inf) */
-            const float alpha =
-                _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(s->max[r] - new_max))) *
-                (s->max[r] == -INFINITY ? 0.0f : 1.0f);
+            /* the running maximum moves only when a score passes it by more than LAZY (the terms
+             * are then at most 2^LAZY): most blocks neither reduce to a maximum nor rescale */
+            const __m512 top = _mm512_set1_ps(s->max[r] + LAZY);
+            float alpha = 1.0f;
+            if (_mm512_cmp_ps_mask(s0, top, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, top, _CMP_GT_OQ)) {
+                const float new_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+                /* the old terms' share, 2^(old - new): 0 before the first block (old = -inf) */
+                if (s->max[r] != -INFINITY)
+                    alpha = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(s->max[r] - new_max)));
+                else
+                    alpha = 0.0f;
+                s->max[r] = new_max;
+            }
+            const __m512 mx = _mm512_set1_ps(s->max[r]);
+            __m512 p0 = exp2_ps(_mm512_sub_ps(s0, mx));
+            __m512 p1 = exp2_ps(_mm512_sub_ps(s1, mx));
+            if (masked) {
+                p0 = _mm512_maskz_mov_ps(m0, p0);
+                p1 = _mm512_maskz_mov_ps(m1, p1);
+            }
             s->alpha[r] = alpha;
-            s->max[r] = new_max;
-            s->sum[r] = s->sum[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            _mm512_storeu_si512(s->probs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            /* the sum is of the probabilities as they multiply the values, rounded to bf16: each
+             * 32-bit lane holds two, the even one in its low half */
+            const __m512i probs = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(probs, 16));
+            const __m512 odd = _mm512_castsi512_ps(
+                _mm512_and_si512(probs, _mm512_set1_epi32((int)0xFFFF0000u)));
+            __m512 sv = _mm512_load_ps(s->sum[r]);
+            sv = _mm512_fmadd_ps(sv, _mm512_set1_ps(alpha), _mm512_add_ps(even, odd));
+            _mm512_store_ps(s->sum[r], sv);
+            _mm512_storeu_si512(s->probs[r], probs);
         }
         for (int64_t r = 0; r < padded; r += ROWS_AT) {
             int64_t c0 = 0;
@@ -224,7 +245,7 @@ static void attend(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t o
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = t0 + r / group, head = h * group + r % group;
         uint16_t* o = out + t * out_stride + head * dim;
-        const __m512 inv = _mm512_set1_ps(1.0f / s->sum[r]);
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(s->sum[r])));
         for (int64_t c = 0; c < dim; c += 16) {
             const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s->out[r] + c), inv);
             _mm256_storeu_si256((__m256i*)(o + c), (__m256i)_mm512_cvtneps_pbh(x));
