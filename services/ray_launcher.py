@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from common.allocator import find_tcmalloc, with_allocator
 from common.heap import freeze_startup_heap
-from services.serve import MODEL_ROLES
 
 NAMESPACE = "epd"
 GATEWAY_CPUS = 0.1
@@ -175,7 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _actor_options(
     args, role: str, cpus: float, gpus: float, index: int, env_vars: dict[str, str]
 ) -> dict:
-    """``env_vars``: the job's; a model role's actor starts with tcmalloc preloaded on top
+    """``env_vars``: the job's; the actor starts with tcmalloc preloaded on top
     (``common/allocator.py``; Ray starts the actor's process, so ``epd serve``'s restart has no part
     here), found where the driver finds it: the nodes run one image."""
     options = {
@@ -184,7 +183,7 @@ def _actor_options(
         "max_restarts": args.max_restarts,
         "max_concurrency": 4,
     }
-    preloaded = with_allocator(os.environ, find_tcmalloc()) if role in MODEL_ROLES else None
+    preloaded = with_allocator(os.environ, find_tcmalloc())
     if preloaded is not None:  # (None: no tcmalloc, or the operator's own LD_PRELOAD)
         options["runtime_env"] = {"env_vars": {**env_vars, "LD_PRELOAD": preloaded["LD_PRELOAD"]}}
     if args.address:

@@ -1,9 +1,8 @@
 """``epd serve encoder|language|gateway [options]``: run one role in this process.
 
 Each role's server module owns its options (``epd serve ROLE --help`` lists them); the module is
-imported only for the role asked for, so the gateway never loads torch. The encoder and the
-language worker first restart themselves with tcmalloc preloaded (``common/allocator.py``) unless
-``LD_PRELOAD`` is set.
+imported only for the role asked for, so the gateway never loads torch. Every role first restarts
+itself with tcmalloc preloaded (``common/allocator.py``) unless ``LD_PRELOAD`` is set.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import importlib
 
 from common.allocator import restart_with_allocator
 
-MODEL_ROLES = ("encoder", "language")  # their processes hold large tensors: common/allocator.py
 ROLE_MODULES = {
     "encoder": "services.encoder.server",
     "language": "services.language.server",
@@ -27,8 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.role in MODEL_ROLES:
-        restart_with_allocator()  # before torch is imported (returns when nothing is to do)
+    restart_with_allocator()  # before torch is imported (returns when nothing is to do)
     module = importlib.import_module(ROLE_MODULES[args.role])
     parser = argparse.ArgumentParser(prog=f"epd serve {args.role}")
     module.add_arguments(parser)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health
 
+from common.allocator import allocator_line
 from common.auth import BearerAuthInterceptor, BearerKeys
 from common.cli_config import add_cli_args, from_cli_args
 from common.grpc_server import (
@@ -273,6 +274,7 @@ def serve(config: GatewayConfig) -> GatewayServer:
         ready_timer = threading.Timer(config.ready_delay_s, server.readiness.set, (True,))
         ready_timer.daemon = True
         ready_timer.start()
+    logger.info(allocator_line())
     logger.info(
         "gateway public API on %s:%d (%s), worker registry on %s:%d (%s)%s",
         config.host,
