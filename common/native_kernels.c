@@ -257,40 +257,80 @@ static inline __m512 sum_across16(const __m512* p) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x88), _mm512_shuffle_f32x4(c, d, 0xDD));
 }
 
+/* one head's scores against 16 keys (rows[16]; a short block repeats a row, its lanes unused):
+ * 16 accumulators, one a key, held in registers across the head's 32-dim chunks */
+static inline __attribute__((always_inline)) __m512 head_scores16(const bf16_t* qh,
+                                                                const bf16_t* const* rows,
+                                                                int64_t chunks, __mmask32 tail) {
+    __m512 p[16];
+    for (int j = 0; j < 16; ++j) p[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+        const __mmask32 m = c == chunks - 1 ? tail : (__mmask32)~0u;
+        const __m512bh qc = (__m512bh)_mm512_maskz_loadu_epi16(m, qh + 32 * c);
+        for (int j = 0; j < 16; ++j) {
+            const __m512bh kc = (__m512bh)_mm512_maskz_loadu_epi16(m, rows[j] + 32 * c);
+            p[j] = _mm512_dpbf16_ps(p[j], qc, kc);
+        }
+    }
+    return sum_across16(p);
+}
+
 static int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int64_t* sl, int64_t len,
                        int64_t g, int64_t kv_heads, int64_t group, int64_t dim, float scale,
                        float* scores) {
     const int64_t chunks = (dim + 31) / 32; /* 32 bf16 a register, the last one masked */
     const __mmask32 tail = dim % 32 ? (__mmask32)((1u << (dim % 32)) - 1u) : (__mmask32)~0u;
-    const __m512 zero = _mm512_setzero_ps(), vscale = _mm512_set1_ps(scale);
+    const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
         const int64_t keys = len - j0 < 16 ? len - j0 : 16;
         const bf16_t* rows[16];
-        for (int64_t j = 0; j < keys; ++j) rows[j] = k_cache + (sl[j0 + j] * kv_heads + g) * dim;
+        for (int64_t j = 0; j < 16; ++j)
+            rows[j] = k_cache + (sl[j0 + (j < keys ? j : 0)] * kv_heads + g) * dim;
         for (int64_t h = 0; h < group; ++h) {
-            const bf16_t* qh = q + h * dim;
-            __m512 p[16];
-            for (int64_t j = 0; j < 16; ++j) p[j] = zero;
-            for (int64_t c = 0; c < chunks; ++c) {
-                const __mmask32 m = c == chunks - 1 ? tail : (__mmask32)~0u;
-                const __m512bh qc = (__m512bh)_mm512_maskz_loadu_epi16(m, qh + 32 * c);
-                for (int64_t j = 0; j < keys; ++j) {
-                    const __m512bh kc = (__m512bh)_mm512_maskz_loadu_epi16(m, rows[j] + 32 * c);
-                    p[j] = _mm512_dpbf16_ps(p[j], qc, kc);
-                }
-            }
-            const __m512 s = _mm512_mul_ps(sum_across16(p), vscale);
+            const __m512 s = _mm512_mul_ps(head_scores16(q + h * dim, rows, chunks, tail), vscale);
             _mm512_mask_storeu_ps(scores + h * len + j0, (__mmask16)((1u << keys) - 1u), s);
         }
     }
     return 1;
 }
 
+/* acc[h0 .. h0 + HN) for one 32-dim chunk (`base`: key j's chunk at base + sl[j] * row_stride):
+ * HN heads' two accumulators in registers (HN a constant where inlined) */
+static inline __attribute__((always_inline)) void chunk_values(
+    const bf16_t* base, const int64_t* sl, int64_t len, int64_t row_stride, __mmask32 m,
+    const uint32_t* pairs, int64_t half, int64_t h0, const int HN, float* acc, int64_t dim) {
+    /* lane l of the unpacked halves holds dim (l / 4) * 8 + l % 4 (lo) or + 4 (hi) */
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second =
+        _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    __m512 lo[8], hi[8];
+    for (int h = 0; h < HN; ++h) lo[h] = hi[h] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 2) {
+        const __m512i a = _mm512_maskz_loadu_epi16(m, base + sl[j] * row_stride);
+        const __m512i b = j + 1 < len ? _mm512_maskz_loadu_epi16(m, base + sl[j + 1] * row_stride)
+                                      : _mm512_setzero_si512();
+        const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int h = 0; h < HN; ++h) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pairs[(h0 + h) * half + j / 2]);
+            lo[h] = _mm512_dpbf16_ps(lo[h], vl, p);
+            hi[h] = _mm512_dpbf16_ps(hi[h], vh, p);
+        }
+    }
+    for (int h = 0; h < HN; ++h) {
+        float* ah = acc + (h0 + h) * dim;
+        _mm512_mask_storeu_ps(ah, (__mmask16)m, _mm512_permutex2var_ps(lo[h], first, hi[h]));
+        _mm512_mask_storeu_ps(ah + 16, (__mmask16)(m >> 16),
+                              _mm512_permutex2var_ps(lo[h], second, hi[h]));
+    }
+}
+
 /* acc[h] (float32 [group][dim]) = the sum over the item's keys of probs[h][j] * v[j], the
  * probabilities already bf16 values (decode attention rounds them): two keys a VDPBF16PS, their
  * value rows interleaved in registers (unpacklo/hi of 16-bit lanes, which orders a 32-dim chunk's
- * output lanes [0-3, 8-11, 16-19, 24-27] / [4-7, ...]; undone once per chunk). `pairs`: scratch
- * of group * ceil(len / 2) words. */
+ * output lanes [0-3, 8-11, 16-19, 24-27] / [4-7, ...]; undone once per chunk). Heads go 8, 4, 2
+ * or 1 at a time, each count its own code, so the accumulators stay in registers. `pairs`:
+ * scratch of group * ceil(len / 2) words. */
 static int bf16_values(const bf16_t* v_cache, const int64_t* sl, int64_t len, int64_t g,
                        int64_t kv_heads, int64_t group, int64_t dim, const float* probs,
                        uint32_t* pairs, float* acc) {
@@ -306,38 +346,25 @@ static int bf16_values(const bf16_t* v_cache, const int64_t* sl, int64_t len, in
         }
         if (len % 2) out[len] = 0; /* the odd key's partner: weight 0 */
     }
-    /* lane l of the unpacked halves holds dim (l / 4) * 8 + l % 4 (lo) or + 4 (hi) */
-    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i second =
-        _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t d0 = 32 * c, left = dim - d0;
         const __mmask32 m = left >= 32 ? (__mmask32)~0u : (__mmask32)((1u << left) - 1u);
-        const bf16_t* base = v_cache + g * dim + d0; /* key j's chunk: base + sl[j] * row_stride */
-        for (int64_t h0 = 0; h0 < group; h0 += 8) {
-            const int64_t hn = group - h0 < 8 ? group - h0 : 8;
-            __m512 lo[8], hi[8];
-            for (int64_t h = 0; h < hn; ++h) lo[h] = hi[h] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < len; j += 2) {
-                const __m512i a = _mm512_maskz_loadu_epi16(m, base + sl[j] * row_stride);
-                const __m512i b = j + 1 < len
-                                      ? _mm512_maskz_loadu_epi16(m, base + sl[j + 1] * row_stride)
-                                      : _mm512_setzero_si512();
-                const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b);
-                const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
-                for (int64_t h = 0; h < hn; ++h) {
-                    const __m512bh p =
-                        (__m512bh)_mm512_set1_epi32((int)pairs[(h0 + h) * half + j / 2]);
-                    lo[h] = _mm512_dpbf16_ps(lo[h], vl, p);
-                    hi[h] = _mm512_dpbf16_ps(hi[h], vh, p);
-                }
-            }
-            for (int64_t h = 0; h < hn; ++h) {
-                float* ah = acc + (h0 + h) * dim + d0;
-                const __m512 x = _mm512_permutex2var_ps(lo[h], first, hi[h]);
-                const __m512 y = _mm512_permutex2var_ps(lo[h], second, hi[h]);
-                _mm512_mask_storeu_ps(ah, (__mmask16)m, x);
-                _mm512_mask_storeu_ps(ah + 16, (__mmask16)(m >> 16), y);
+        const bf16_t* base = v_cache + g * dim + d0;
+        float* a = acc + d0;
+        for (int64_t h0 = 0; h0 < group;) {
+            const int64_t left_heads = group - h0;
+            if (left_heads >= 8) {
+                chunk_values(base, sl, len, row_stride, m, pairs, half, h0, 8, a, dim);
+                h0 += 8;
+            } else if (left_heads >= 4) {
+                chunk_values(base, sl, len, row_stride, m, pairs, half, h0, 4, a, dim);
+                h0 += 4;
+            } else if (left_heads >= 2) {
+                chunk_values(base, sl, len, row_stride, m, pairs, half, h0, 2, a, dim);
+                h0 += 2;
+            } else {
+                chunk_values(base, sl, len, row_stride, m, pairs, half, h0, 1, a, dim);
+                h0 += 1;
             }
         }
     }
