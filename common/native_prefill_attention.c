@@ -19,8 +19,9 @@
  * Scores are float32 sums of exact bf16 products, scaled by `scale * log2(e)` and exponentiated as
  * powers of two (a degree-5 polynomial, within 1e-7 relative). A row's running maximum moves only
  * when a score passes it by more than 8 (log2 units: a term is then at most 2^8, far inside
- * float32's and bf16's range), so most blocks take no reduction and no rescale; the running sum
- * stays per lane until the end. The output is divided by the sum and rounded to bf16 to nearest even.
+ * float32's and bf16's range), so most blocks take no reduction and no rescale; the running sum,
+ * of the weights as rounded to bf16, stays per lane until the end. The output is divided by the
+ * sum and rounded to bf16 to nearest even.
  *
  * Layouts (strides count elements): q [tokens] rows `q_stride` apart, each [heads][dim]; k and v
  * [keys] rows `k_stride` / `v_stride` apart, each [kv_heads][dim]; out like q, `out_stride`.
