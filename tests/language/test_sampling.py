@@ -11,6 +11,8 @@ from services.language.engine.sampling import (
     NonFiniteLogitsError,
     SamplerState,
     SamplingParams,
+    draw,
+    nucleus,
     row_max,
     sample,
     token_logprob,
@@ -134,3 +136,27 @@ def test_row_max_equals_max_with_ties_and_non_finite_rows(dtype, vocab):
     finite = ~values.isnan()
     assert torch.equal(values[finite], expected_values[finite])
     assert indices[1] == 3 and indices[5] == 10
+
+
+def test_draw_follows_the_distribution_and_never_takes_a_token_without_mass():
+    probs = torch.softmax(torch.tensor([0.0, 1.0, 2.0, float("-inf"), 0.5, float("-inf")]), -1)
+    gen = torch.Generator().manual_seed(0)
+    draws = 40_000
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(draws)]), minlength=6)
+    assert counts[3] == 0 and counts[5] == 0
+    expected = probs * draws
+    chi2 = float((((counts - expected) ** 2)[expected > 0] / expected[expected > 0]).sum())
+    assert chi2 < 20.5  # 3 degrees of freedom: p < 0.0002 by chance
+    first = [draw(probs, torch.Generator().manual_seed(7)) for _ in range(3)]
+    assert first == [first[0]] * 3  # the same seed, the same token
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])
+@pytest.mark.parametrize("top_p", [1e-6, 0.1, 0.5, 0.9, 0.99, 1.0])
+def test_nucleus_keeps_what_sorting_the_whole_row_keeps(scale, top_p):
+    """Flat rows (scale 0.5) need more than the first ``NUCLEUS_FIRST`` tokens: the whole row
+    is sorted then; peaked ones are decided within them."""
+    probs = torch.softmax(torch.randn(5000, generator=torch.Generator().manual_seed(9)) * scale, -1)
+    ordered, order = probs.sort(descending=True)
+    ordered[ordered.cumsum(0) - ordered > top_p] = 0.0
+    assert torch.equal(nucleus(probs, top_p), torch.zeros_like(probs).scatter_(0, order, ordered))

@@ -214,12 +214,37 @@ class SamplerState:
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            cumulative = sorted_probs.cumsum(0)
-            drop = cumulative - sorted_probs > p.top_p  # keep the smallest set reaching top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            probs = nucleus(probs, p.top_p)
+        return draw(probs, self.generator)
+
+
+NUCLEUS_FIRST = 1024  # most likely tokens ``nucleus`` looks at before sorting the whole row
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` [vocab] with only the smallest set of most likely tokens whose mass reaches
+    ``top_p`` kept, the rest 0. NOTE: the most likely ``NUCLEUS_FIRST`` first (``topk``, ~0.3
+    ms); the whole row sorted (~15 ms at 152k on a CPU) only when they fall short of
+    ``top_p``, as a flat distribution's do."""
+    values, order = torch.topk(probs, min(NUCLEUS_FIRST, probs.shape[0]))  # most likely first
+    cumulative = values.cumsum(0)
+    if values.shape[0] < probs.shape[0] and cumulative[-1] <= top_p:  # the next may be kept
+        values, order = probs.sort(descending=True)
+        cumulative = values.cumsum(0)
+    keep = cumulative - values <= top_p  # the mass before a kept token is within top_p
+    return torch.zeros_like(probs).index_put_((order[keep],), values[keep])
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index of ``probs`` [vocab] (non-negative, not all 0) drawn with probability
+    ``probs[i] / probs.sum()``: the inverse of its float64 cumulative sum at one uniform draw.
+    NOTE: ``torch.multinomial`` on one CPU row of 152k took ~3 ms, this ~0.2 ms."""
+    cumulative = probs.double().cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]
+    index = int(torch.searchsorted(cumulative, u, right=True)[0])  # first cumulative above u
+    if index >= probs.shape[0]:  # u rounded up to the total: the last token with mass
+        index = int(probs.nonzero()[-1, 0])
+    return index
 
 
 BLOCK = 256  # columns ``row_max`` reduces at once
