@@ -103,7 +103,9 @@ class Server(grpc.Server):
     def stop_accepting(self, grace: float) -> threading.Event:
         """Stop the main port only: no new calls (clients get GOAWAY and reconnect elsewhere),
         the calls in flight go on for up to ``grace`` seconds; the health side server keeps
-        answering probes. The event is set once every call ended."""
+        answering probes. The event is set once every call ended. A call that races the GOAWAY
+        (sent before the client had it) is cancelled by gRPC (``CANCELLED``); later ones find
+        the port closed (``UNAVAILABLE``)."""
         return self._inner.stop(grace)
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
