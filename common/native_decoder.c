@@ -82,10 +82,13 @@ typedef struct {
  * processes set OMP_WAIT_POLICY=PASSIVE) costs more than a small kernel's work. Below
  * PARALLEL_MIN_VALUES values an element-wise pass runs on the calling thread (native_kernels.py's
  * figure), below LINEAR_MIN_FLOPS a linear (a [16, 256] x [256, 512] bf16 product: 27 us on one
- * thread, ~100 on two passive ones), below ATTENTION_MIN_KEYS cached keys decode attention. */
+ * thread, ~100 on two passive ones), below ATTENTION_MIN_FLOPS decode attention (its scores and
+ * weighted values: 4 FLOPs per cached key, query head and head dimension; 4,096 keys of the demo
+ * checkpoint's 4 heads of 64, ~80 us on one thread; 16 rows of 140 keys at Qwen2.5-VL-3B's 16 heads
+ * of 128 are 18 MFLOP, 0.4 ms on one thread, 0.2 on two). */
 #define PARALLEL_MIN_VALUES (1 << 15)
 #define LINEAR_MIN_FLOPS 50e6
-#define ATTENTION_MIN_KEYS 4096
+#define ATTENTION_MIN_FLOPS 4e6
 
 static inline int linear_threads(int64_t rows, int64_t n, int64_t dim, int threads) {
     return 2.0 * (double)rows * (double)n * (double)dim < LINEAR_MIN_FLOPS ? 1 : threads;
@@ -152,7 +155,8 @@ int decoder_layers_bf16(bf16* h, const DecoderLayer* layers, int64_t num_layers,
     const int lin_gu = linear_threads(t, 2 * inter, hid, th);
     const int lin_down = linear_threads(t, hid, inter, th);
     const int64_t decode_keys = s->num_decode ? s->decode_offsets[s->num_decode] : 0;
-    const int att = decode_keys < ATTENTION_MIN_KEYS ? 1 : th;
+    const double att_flops = 4.0 * (double)decode_keys * (double)(s->heads * dim);
+    const int att = att_flops < ATTENTION_MIN_FLOPS ? 1 : th;
     int rc = 0;
     for (int64_t i = 0; i < num_layers && !rc; ++i) {
         const DecoderLayer* l = &layers[i];

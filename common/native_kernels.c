@@ -7,10 +7,10 @@
  * bit for bit for the rotary embeddings, the language model's computed in its dtype as its
  * torch ops are). Decode attention reads the KV pool in place (see its comment). Work is shared
  * among `threads` OpenMP threads (torch's own runtime: the library links the libgomp torch
- * loaded), handed out 16 rows (tokens, patches) at a time as threads come free: on cores shared
- * with other processes a fixed share per thread makes the call wait for the thread whose core is
- * busy. Built with -ffp-contract=off, so no product and sum fuse into one rounding that torch
- * does in two.
+ * loaded), handed out a few rows (tokens, patches) at a time as threads come free (`row_chunk`):
+ * on cores shared with other processes a fixed share per thread makes the call wait for the
+ * thread whose core is busy. Built with -ffp-contract=off, so no product and sum fuse into one
+ * rounding that torch does in two.
  *
  * Types: `bf16` is uint16_t holding a bfloat16, `f32` is float. Strides count elements.
  */
@@ -33,6 +33,13 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* rows a thread takes at a time in a row-parallel pass: about four runs a thread, at most 16, so a
+ * decode step's 16 rows spread over the threads instead of making one run for one of them */
+static inline int64_t row_chunk(int64_t rows, int threads) {
+    const int64_t chunk = rows / (4 * (int64_t)(threads > 0 ? threads : 1));
+    return chunk < 1 ? 1 : chunk > 16 ? 16 : chunk;
 }
 
 static inline float f32_load(float x) { return x; }
@@ -70,7 +77,8 @@ static inline float exp_f32(float x) {
 #define DEFINE_RMS_NORM(T)                                                                     \
     void rms_norm_##T(const T##_t* x, int64_t x_stride, const T##_t* weight, T##_t* out,       \
                       int64_t rows, int64_t dim, float eps, int threads) {                     \
-        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                 \
+        const int64_t chunk = row_chunk(rows, threads);                                        \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, chunk)")              \
         for (int64_t r = 0; r < rows; ++r) {                                                   \
             const T##_t* xr = x + r * x_stride;                                                \
             T##_t* o = out + r * dim;                                                          \
@@ -96,7 +104,8 @@ static inline float exp_f32(float x) {
     void rotate_qk_##T(const T##_t* qkv, const float* cos, const float* sin, T##_t* q_out,     \
                        T##_t* k_out, int64_t seq, int64_t heads, int64_t dim, int threads) {   \
         const int64_t half = dim / 2;                                                          \
-        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                 \
+        const int64_t chunk = row_chunk(seq, threads);                                         \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, chunk)")              \
         for (int64_t s = 0; s < seq; ++s) {                                                    \
             const float* c = cos + s * dim;                                                    \
             const float* sn = sin + s * dim;                                                   \
@@ -155,7 +164,8 @@ static inline float exp_f32(float x) {
                         const int64_t* slots, T##_t* q_out, T##_t* k_cache, T##_t* v_cache,    \
                         int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,          \
                         int threads) {                                                         \
-        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                 \
+        const int64_t chunk = row_chunk(tokens, threads);                                      \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, chunk)")              \
         for (int64_t t = 0; t < tokens; ++t) {                                                 \
             const T##_t* c = cos + t * dim;                                                    \
             const T##_t* sn = sin + t * dim;                                                   \
@@ -183,7 +193,8 @@ static inline float exp_f32(float x) {
         const int64_t grid_h = height / patch, grid_w = width / patch;                         \
         const int64_t blocks_w = grid_w / merge;                                               \
         const int64_t values = channels * frames * patch * patch;                              \
-        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                 \
+        const int64_t chunk = row_chunk(grid_h * grid_w, threads);                             \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, chunk)")              \
         for (int64_t n = 0; n < grid_h * grid_w; ++n) {                                        \
             const int64_t in_block = n % (merge * merge), block = n / (merge * merge);         \
             const int64_t row = (block / blocks_w) * merge + in_block / merge;                 \
@@ -489,7 +500,8 @@ static inline int bf16_scores(const bf16_t* q, const bf16_t* k_cache, const int6
  * (2 * inter) `gu_stride` apart; out [rows][inter] contiguous. */
 void silu_mul_bf16(const bf16_t* gate_up, int64_t gu_stride, bf16_t* out, int64_t rows,
                    int64_t inter, int threads) {
-    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")
+    const int64_t chunk = row_chunk(rows, threads);
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, chunk)")
     for (int64_t r = 0; r < rows; ++r) {
         const bf16_t* g = gate_up + r * gu_stride;
         const bf16_t* u = g + inter;
@@ -505,7 +517,8 @@ void silu_mul_bf16(const bf16_t* gate_up, int64_t gu_stride, bf16_t* out, int64_
 
 /* h += x in bf16 (each sum in float32 rounded once, as torch's bf16 add), rows `dim` long */
 void add_bf16(bf16_t* h, const bf16_t* x, int64_t rows, int64_t dim, int threads) {
-    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")
+    const int64_t chunk = row_chunk(rows, threads);
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, chunk)")
     for (int64_t r = 0; r < rows; ++r) {
         bf16_t* hr = h + r * dim;
         const bf16_t* xr = x + r * dim;
