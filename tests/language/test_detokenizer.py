@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from common.models.tokenizers import build_qwen2_tokenizer
-from services.language.engine.detokenizer import IncrementalDetokenizer
+from services.language.engine.detokenizer import IncrementalDetokenizer, text_of_ids
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -175,3 +175,19 @@ def test_each_step_decodes_a_short_window(tokenizer):
     # the window is the context token plus the tokens of at most one character
     assert max(counting.sizes) <= 8
     assert len(counting.sizes) == 2 * len(ids)
+
+
+def test_text_of_ids_is_the_tokenizers_decode(tokenizer):
+    """The direct call on the Rust tokenizer decodes as ``decode(..., skip_special_tokens=True)``
+    does, special tokens and all, on every kind of tokenizer here."""
+    rng = random.Random(0)
+    special = tokenizer.all_special_ids
+    ids = tokenizer(" ".join(TEXTS), add_special_tokens=False).input_ids
+    decode = text_of_ids(tokenizer)
+    for _ in range(200):
+        start = rng.randrange(len(ids))
+        window = ids[start : start + rng.randrange(1, 12)]
+        window.insert(rng.randrange(len(window) + 1), rng.choice(special))
+        assert decode(window) == full_decode(tokenizer, window)
+    random_ids = [rng.randrange(len(tokenizer)) for _ in range(64)]
+    assert decode(random_ids) == full_decode(tokenizer, random_ids)

@@ -25,12 +25,26 @@ text: a stop string it completes is released as text, except the tail that could
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def text_of_ids(tokenizer) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, called on the Rust tokenizer itself
+    where that is the same call: a fast tokenizer that does not clean up spaces after decoding
+    (Qwen's). transformers' wrapper around it costs more than the decode: a step of 16 demo
+    streams spent 0.35 ms decoding through it, 0.13 ms without (profiled, 2 cores)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
-        self.tokenizer = tokenizer
+        self._decode = text_of_ids(tokenizer)
         self.stop = tuple(s for s in stop if s)
         self.token_ids: list[int] = []
         self.stopped = False  # a stop string was found; later tokens are ignored
@@ -53,9 +67,6 @@ class IncrementalDetokenizer:
         cut = len(self._pending) - keep
         released, self._pending = self._pending[:cut], self._pending[cut:]
         return released
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _decode_new(self, force: bool) -> str:
         """Text of the tokens after ``read_offset`` once it is complete (or ``force``)."""
