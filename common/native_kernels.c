@@ -527,6 +527,168 @@ void add_bf16(bf16_t* h, const bf16_t* x, int64_t rows, int64_t dim, int threads
     }
 }
 
+/* The sampler's draw for a step's sampled rows, each row on one thread: per row, as
+ * services/language/engine/sampling.py's torch path does (vLLM's order), without sorting:
+ *   z = logit / temperature; w = e^(z - max z), the row's unnormalised probabilities (exactly 1
+ *   at the maximum; 0 for a -inf logit and for those below float32's normal range);
+ *   min_p: w < min_p dropped (a probability below min_p times the largest one);
+ *   top_k: the k largest w kept, ties at the k-th all kept;
+ *   top_p: the largest w kept until their mass reaches top_p of the kept mass, ties at the last
+ *   one all kept;
+ *   the token: the first index where the running sum of the kept w (in index order) passes
+ *   u * their total, u in [0, 1) the row's uniform draw: blocks of SAMPLE_BLOCK values summed
+ *   in float32 (vectorised), the blocks' sums added in float64, the winning block walked.
+ * The thresholds are found by radix selection on the bits of w (non-negative floats order as
+ * their bits): a histogram of the top 12 bits (count or mass), then of the next 12 bits of the
+ * values in the bucket where the target is crossed, then of the last 8: three short passes
+ * instead of a sort of the whole row. logits [rows] rows `stride` apart, each [vocab]; a row
+ * with a NaN or +inf logit, or only -inf ones (or a logit / temperature past float32), gets the
+ * token -1. top_k 0: off; top_p 1: off; min_p 0: off. Returns 0, -2 without memory. */
+#define SAMPLE_BLOCK 1024
+#define SELECT_BUCKETS 4096
+#define SELECT_WAYS 4 /* histograms filled in turn: adds to one bucket do not wait on each other */
+
+/* the smallest bits t of a value in w (as bits) such that the values >= t add up to at least
+ * `target` (their count, or with `by_mass` their sum); 0 when all of them fall short. cand:
+ * room for n bits, hist: SELECT_WAYS * SELECT_BUCKETS doubles. */
+static uint32_t select_bits(const uint32_t* w, int64_t n, double target, int by_mass,
+                            uint32_t* cand, double* hist) {
+    static const int shift[3] = {20, 8, 0}, width[3] = {12, 12, 8};
+    const uint32_t* in = w;
+    int64_t m = n;
+    uint32_t prefix = 0;
+    double above = 0.0; /* what the values above the current bucket add up to */
+    for (int level = 0; level < 3; ++level) {
+        const uint32_t mask = (1u << width[level]) - 1u;
+        memset(hist, 0, sizeof(double) * SELECT_WAYS * SELECT_BUCKETS);
+        for (int64_t i = 0; i < m; ++i) {
+            float v;
+            memcpy(&v, &in[i], sizeof v);
+            hist[(i % SELECT_WAYS) * SELECT_BUCKETS + ((in[i] >> shift[level]) & mask)] +=
+                by_mass ? (double)v : 1.0;
+        }
+        int64_t b = mask;
+        for (; b >= 0; --b) {
+            double here = 0.0;
+            for (int k = 0; k < SELECT_WAYS; ++k) here += hist[k * SELECT_BUCKETS + b];
+            if (above + here >= target) break;
+            above += here;
+        }
+        if (b < 0) return 0; /* short of the target: everything is kept */
+        prefix |= (uint32_t)b << shift[level];
+        if (level == 2) break;
+        /* the values in bucket b go on to the next level */
+        int64_t k = 0;
+        for (int64_t i = 0; i < m; ++i)
+            if (((in[i] >> shift[level]) & mask) == (uint32_t)b) cand[k++] = in[i];
+        in = cand;
+        m = k;
+    }
+    return prefix;
+}
+
+/* the values of w below the bits t set to 0 (w >= 0: their bits order as they do); returns the
+ * total of the rest, each block's sum in sums */
+static double keep_from(float* w, int64_t n, uint32_t t, double* sums) {
+    uint32_t* bits = (uint32_t*)w;
+    double total = 0.0;
+    for (int64_t b0 = 0; b0 < n; b0 += SAMPLE_BLOCK) {
+        const int64_t b1 = b0 + SAMPLE_BLOCK < n ? b0 + SAMPLE_BLOCK : n;
+        float sum = 0.0f;
+        _Pragma("omp simd reduction(+ : sum)")
+        for (int64_t i = b0; i < b1; ++i) {
+            bits[i] = bits[i] >= t ? bits[i] : 0u;
+            sum += w[i];
+        }
+        sums[b0 / SAMPLE_BLOCK] = sum;
+        total += sum;
+    }
+    return total;
+}
+
+/* a row's token from its weights w (block sums in sums, their total): top_k, top_p, the draw */
+static int64_t sample_weights(float* w, int64_t n, double* sums, double total, int64_t top_k,
+                              float top_p, double u, uint32_t* cand, double* hist) {
+    if (top_k > 0 && top_k < n)
+        total = keep_from(w, n, select_bits((uint32_t*)w, n, (double)top_k, 0, cand, hist), sums);
+    if (top_p < 1.0f)
+        total = keep_from(w, n, select_bits((uint32_t*)w, n, top_p * total, 1, cand, hist), sums);
+    const double goal = u * total;
+    const int64_t blocks = (n + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    double run = 0.0;
+    int64_t b = 0, last = -1; /* the last block with mass, should rounding end the sum short */
+    for (; b < blocks; ++b) {
+        if (sums[b] > 0.0) last = b;
+        if (sums[b] > 0.0 && run + sums[b] > goal) break;
+        run += sums[b];
+    }
+    if (b == blocks) b = last;
+    const int64_t b0 = b * SAMPLE_BLOCK, b1 = b0 + SAMPLE_BLOCK < n ? b0 + SAMPLE_BLOCK : n;
+    int64_t pick = -1;
+    for (int64_t i = b0; i < b1; ++i) {
+        if (w[i] == 0.0f) continue;
+        pick = i; /* the block's last token with mass, should rounding end its sum short */
+        run += (double)w[i];
+        if (run > goal) break;
+    }
+    return pick;
+}
+
+#define DEFINE_SAMPLE_ROWS(T)                                                                  \
+    int sample_rows_##T(const T##_t* logits, int64_t stride, int64_t rows, int64_t vocab,      \
+                        const float* temperature, const int64_t* top_k, const float* top_p,    \
+                        const float* min_p, const double* u, int64_t* tokens, int threads) {   \
+        const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;                      \
+        int failed = 0;                                                                        \
+        _Pragma("omp parallel num_threads(threads) reduction(| : failed)")                     \
+        {                                                                                      \
+            float* w = malloc(sizeof(float) * (size_t)vocab);                                  \
+            uint32_t* cand = malloc(sizeof(uint32_t) * (size_t)vocab);                         \
+            double* hist = malloc(sizeof(double) * SELECT_WAYS * SELECT_BUCKETS);              \
+            double* sums = malloc(sizeof(double) * (size_t)blocks);                            \
+            failed = !w || !cand || !hist || !sums;                                            \
+            _Pragma("omp for schedule(dynamic, 1)")                                            \
+            for (int64_t r = 0; r < rows; ++r) {                                               \
+                if (failed) continue;                                                          \
+                const T##_t* x = logits + r * stride;                                          \
+                const float t = temperature[r], low = min_p[r] > 0.0f ? min_p[r] : 0.0f;       \
+                float top = -INFINITY;                                                         \
+                int bad = 0; /* NaN or +inf logits */                                          \
+                _Pragma("omp simd reduction(max : top) reduction(+ : bad)")                    \
+                for (int64_t i = 0; i < vocab; ++i) {                                          \
+                    const float z = T##_load(x[i]) / t;                                        \
+                    top = z > top ? z : top;                                                   \
+                    bad += !(T##_load(x[i]) < INFINITY);                                       \
+                }                                                                              \
+                if (bad || !(top > -INFINITY && top < INFINITY)) { /* or overflowed by t */    \
+                    tokens[r] = -1;                                                            \
+                    continue;                                                                  \
+                }                                                                              \
+                double total = 0.0;                                                            \
+                for (int64_t b0 = 0; b0 < vocab; b0 += SAMPLE_BLOCK) {                         \
+                    const int64_t b1 = b0 + SAMPLE_BLOCK < vocab ? b0 + SAMPLE_BLOCK : vocab;  \
+                    float sum = 0.0f;                                                          \
+                    _Pragma("omp simd reduction(+ : sum)")                                     \
+                    for (int64_t i = b0; i < b1; ++i) {                                        \
+                        const float d = T##_load(x[i]) / t - top; /* -inf: a -inf logit */     \
+                        const float e = d < -87.336544f ? 0.0f : exp_f32(d);                   \
+                        w[i] = e >= low ? e : 0.0f;                                            \
+                        sum += w[i];                                                           \
+                    }                                                                          \
+                    sums[b0 / SAMPLE_BLOCK] = sum;                                             \
+                    total += sum;                                                              \
+                }                                                                              \
+                tokens[r] = sample_weights(w, vocab, sums, total, top_k[r], top_p[r], u[r],    \
+                                           cand, hist);                                        \
+            }                                                                                  \
+            free(w);                                                                           \
+            free(cand);                                                                        \
+            free(hist);                                                                        \
+            free(sums);                                                                        \
+        }                                                                                      \
+        return failed ? -2 : 0;                                                                \
+    }
+
 DEFINE_RMS_NORM(bf16)
 DEFINE_RMS_NORM(f32)
 DEFINE_ROTATE_QK(bf16)
@@ -539,3 +701,5 @@ DEFINE_DECODE_ATTENTION(bf16)
 DEFINE_DECODE_ATTENTION(f32)
 DEFINE_CUT_PATCHES(bf16)
 DEFINE_CUT_PATCHES(f32)
+DEFINE_SAMPLE_ROWS(bf16)
+DEFINE_SAMPLE_ROWS(f32)

@@ -55,6 +55,7 @@ import shutil
 import subprocess
 import tempfile
 import types
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -88,6 +89,9 @@ SIGNATURES = {  # C function (without the dtype suffix) -> argument types
     "rope_store": (_ptr, _i64, _ptr, _i64, _ptr, _i64, *(_ptr,) * 6, *(_i64,) * 4, _int),
     "decode_attention": (_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, *(_i64,) * 5, _f32, _int),
     "cut_patches": (_ptr, *(_i64,) * 7, _ptr, _ptr, _int),
+    # (logits, its row stride), rows, vocab, temperature, top_k, top_p, min_p, u, tokens (out),
+    # threads
+    "sample_rows": (_ptr, _i64, _i64, _i64, *(_ptr,) * 6, _int),
 }
 # kernels in bf16 only (the function's name ends in _bf16 alone)
 BF16_SIGNATURES = {
@@ -113,6 +117,7 @@ BF16_SIGNATURES = {
 }
 RETURNS = {
     "decode_attention": ctypes.c_int,
+    "sample_rows": ctypes.c_int,
     "prefill_attention": ctypes.c_int,
     "self_attention": ctypes.c_int,
     "lm_head_pack": ctypes.c_int,
@@ -411,6 +416,38 @@ class NativeKernels:
         if code:
             raise MemoryError("decode_attention: no memory for its score buffers")
         return out
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        min_p: Sequence[float],
+        uniform: torch.Tensor,
+    ) -> list[int]:
+        """One token per row of ``logits`` [rows, vocab] (bf16 or float32): temperature (> 0),
+        min-p, top-k, top-p as ``SamplingParams`` has them (0, 0, 1, 0: off), then the inverse
+        of the kept probabilities' running sum at ``uniform[r]`` (float64 in [0, 1)); -1 for a
+        row with a NaN or +inf logit or only -inf ones. Rows run in parallel; see
+        ``sample_rows`` in the C source."""
+        rows, vocab = logits.shape
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        temperature_ = torch.tensor(temperature, dtype=torch.float32)
+        top_k_ = torch.tensor(top_k, dtype=torch.int64)
+        top_p_ = torch.tensor(top_p, dtype=torch.float32)
+        min_p_ = torch.tensor(min_p, dtype=torch.float32)
+        uniform = uniform.to(torch.float64).contiguous()
+        tokens = torch.empty(rows, dtype=torch.int64)
+        code = self._fn("sample_rows", logits.dtype)(
+            logits.data_ptr(), logits.stride(0), rows, vocab, temperature_.data_ptr(),
+            top_k_.data_ptr(), top_p_.data_ptr(), min_p_.data_ptr(), uniform.data_ptr(),
+            tokens.data_ptr(), max(1, min(rows, torch.get_num_threads())),
+        )  # fmt: skip
+        if code:
+            raise MemoryError("sample_rows: no memory for its buffers")
+        return tokens.tolist()
 
     def attention_fits(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
         """True where ``prefill_attention`` and ``self_attention`` run for a model: bf16 on a

@@ -148,10 +148,12 @@ def test_a_failing_choice_ends_every_choice_and_frees_everything(harness):
         engine.step()
     assert all(c.status == RequestStatus.DECODE for c in engine.choices["bad"])
 
-    def broken(row):
+    def broken(*args):
         raise RuntimeError("sampler state corrupted")
 
+    # the row's draw: its uniform on the native sampler, its own sample() on torch's
     engine.choices["bad"][1].sampler.sample = broken
+    engine.choices["bad"][1].sampler.uniform = broken
     finals = [o for o in engine.step() if o.finished]
     assert sorted(o.index for o in finals) == [0, 1, 2]
     assert all(o.finish_reason == FinishReason.ERROR for o in finals)

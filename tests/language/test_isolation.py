@@ -78,10 +78,12 @@ def test_a_sampler_that_raises_fails_its_request_only(h, long_case, image_case):
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
 
-    def broken(row):
+    def broken(*args):
         raise RuntimeError("sampler state corrupted")
 
+    # the row's draw: its uniform on the native sampler, its own sample() on torch's
     engine.requests["bad"].sampler.sample = broken
+    engine.requests["bad"].sampler.uniform = broken
     for rid, outs in run_to_completion(engine).items():
         outputs.setdefault(rid, []).extend(outs)
     assert tokens_of(outputs["long"]) == long_case.expected

@@ -169,9 +169,9 @@ def test_bf16_compute_on_cpu_end_to_end(harness, arch, monkeypatch):
     captured = []
     real_sample = engine_module.sample
 
-    def recording(logits, states, constraints=None):
+    def recording(logits, states, constraints=None, kernels=None):
         captured.append(logits.clone())
-        return real_sample(logits, states, constraints)
+        return real_sample(logits, states, constraints, kernels)
 
     monkeypatch.setattr(engine_module, "sample", recording)
     first_logits = {}

@@ -86,6 +86,7 @@ class LanguageEngine:
             config.linear_kernel, native
         )  # before sizing
         self.cpu_kernels = "torch" if native is None else "native"
+        self.sampler_kernels = native  # sampled rows drawn together (None: one by one in torch)
         self.model_config = mc = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, list(mc.eos_token_ids))
@@ -334,7 +335,8 @@ class LanguageEngine:
             eos_ids = self.model_config.eos_token_ids
             logits = process_logits(result.logits, [c.req for c in sampled], eos_ids)
             guides = [c.req.guide for c in sampled]
-            tokens = sample(logits, [c.req.sampler for c in sampled], guides)
+            states = [c.req.sampler for c in sampled]
+            tokens = sample(logits, states, guides, self.sampler_kernels)
         for chunk in result.chunks:
             chunk.req.num_computed = chunk.end
         for row, (chunk, token) in enumerate(zip(sampled, tokens, strict=True)):

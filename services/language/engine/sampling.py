@@ -24,6 +24,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from common.native_kernels import NativeKernels
 from common.sampling_bounds import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
@@ -199,6 +200,11 @@ class SamplerState:
             gen = torch.Generator().manual_seed(int(params.seed) & (2**63 - 1))
         return cls(params, gen)
 
+    def uniform(self) -> float:
+        """The next uniform draw in [0, 1) of this request's generator (float64): what ``draw``
+        takes, so a seed gives the same draws on either sampler."""
+        return float(torch.rand(1, generator=self.generator, dtype=torch.float64))
+
     def sample(self, row: torch.Tensor) -> int:
         """One token from ``row`` [vocab] (float32, CPU, finite): temperature, then min-p,
         top-k and top-p (vLLM's order), then a draw."""
@@ -319,6 +325,7 @@ def sample(
     logits: torch.Tensor,
     states: list[SamplerState],
     constraints: Sequence[Constraint | None] | None = None,
+    kernels: NativeKernels | None = None,
 ) -> list[int | Exception]:
     """One token per row of ``logits`` [S, vocab] (any float dtype, any device), or the
     exception that row raised; ``constraints[i]`` (when given) limits row ``i``'s tokens.
@@ -330,9 +337,18 @@ def sample(
     allowed tokens, all such rows in one masked reduction. A row is copied over (as float32)
     only to be sampled. A row's failure (a NaN or +inf logit, no allowed token, a sampler
     error) is that request's alone: the other rows are sampled as usual.
+
+    With ``kernels`` (CPU logits), the sampled rows without a constraint are drawn together by
+    the native sampler (``NativeKernels.sample_rows``: no sort, rows in parallel). NOTE: per
+    row in torch, a 152k row took ~0.3 ms at temperature 1 and ~10 ms with a top_p its 1,024
+    most likely tokens fall short of (the whole row sorted); 16 rows natively, 0.84 and 2.6 ms.
     """
+    together = kernels is not None and NativeKernels.supports(logits)
+    if together and not any(constraints or ()) and all(s.params.temperature for s in states):
+        return _draw_rows(logits, list(range(len(states))), states, kernels)  # no greedy row
     greedy = greedy_tokens(*row_max(logits))
     out: list[int | Exception | None] = []  # None: a greedy row whose maximum is forbidden
+    drawn: list[int] = []  # rows the native sampler draws (their place in out is held)
     for i, (state, token) in enumerate(zip(states, greedy, strict=True)):
         constraint = constraints[i] if constraints else None
         if isinstance(token, Exception):
@@ -341,11 +357,17 @@ def sample(
             out.append(token)
         elif state.params.temperature == 0:
             out.append(None)
+        elif together and constraint is None:
+            drawn.append(i)
+            out.append(0)
         else:
             try:
                 out.append(_draw(logits[i].float().cpu(), state, constraint))
             except Exception as exc:  # isolated to this request
                 out.append(exc)
+    if drawn:
+        for i, token in zip(drawn, _draw_rows(logits, drawn, states, kernels), strict=True):
+            out[i] = token
     forbidden_max = [i for i, token in enumerate(out) if token is None]
     if forbidden_max:
         row_constraints = [constraints[i] for i in forbidden_max]
@@ -434,6 +456,47 @@ def _masked_max(
         token if value > -big / 2 else NoAllowedTokenError(NO_ALLOWED_TOKEN)
         for value, token in zip(values.tolist(), tokens.tolist(), strict=True)
     ]
+
+
+def _draw_rows(
+    logits: torch.Tensor, rows: list[int], states: list[SamplerState], kernels: NativeKernels
+) -> list[int | Exception]:
+    """The tokens of ``rows`` of ``logits``, drawn by the native sampler with each row's
+    settings and the next uniform of its generator (``NonFiniteLogitsError`` for a row with a
+    NaN or +inf logit or nothing finite); a row whose draw fails fails alone, a failure of the
+    kernel fails these rows."""
+    out: list[int | Exception] = []
+    uniform: list[float] = []
+    for i in rows:
+        try:
+            uniform.append(states[i].uniform())
+            out.append(0)
+        except Exception as exc:  # isolated to this request
+            out.append(exc)
+    ok = [i for i, token in zip(rows, out, strict=True) if not isinstance(token, Exception)]
+    if not ok:
+        return out
+    params = [states[i].params for i in ok]
+    try:
+        tokens = iter(
+            kernels.sample_rows(
+                logits if len(ok) == logits.shape[0] else logits[ok],
+                [max(p.temperature, MIN_TEMPERATURE) for p in params],
+                [p.top_k for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                torch.tensor(uniform, dtype=torch.float64),
+            )
+        )
+    except Exception as exc:  # isolated to these requests
+        return [exc] * len(rows)
+    return [
+        token if isinstance(token, Exception) else _token_or_error(next(tokens)) for token in out
+    ]
+
+
+def _token_or_error(token: int) -> int | Exception:
+    return token if token >= 0 else NonFiniteLogitsError()
 
 
 def _draw(row: torch.Tensor, state: SamplerState, constraint: Constraint | None) -> int:
