@@ -16,6 +16,7 @@ from services.language.engine.sampling import (
     row_max,
     sample,
     token_logprob,
+    top_k_rows,
 )
 
 
@@ -160,3 +161,18 @@ def test_nucleus_keeps_what_sorting_the_whole_row_keeps(scale, top_p):
     ordered, order = probs.sort(descending=True)
     ordered[ordered.cumsum(0) - ordered > top_p] = 0.0
     assert torch.equal(nucleus(probs, top_p), torch.zeros_like(probs).scatter_(0, order, ordered))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [151_936, 151_669, 1_000])
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_top_k_rows_takes_the_values_topk_takes(dtype, vocab, k):
+    """Blocks by their maxima, then topk inside them: the same values as ``torch.topk``, ties
+    at the top and a maximum in the columns past the last whole block included."""
+    x = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab + k)) * 3).to(dtype)
+    x[1, 100:140] = 50.0  # forty tied maxima over two blocks
+    x[2, -1] = 99.0  # the maximum in the last column
+    values, indices = top_k_rows(x, k)
+    assert torch.equal(values, torch.topk(x, k, dim=-1).values)
+    assert torch.equal(x.gather(1, indices), values)
+    assert all(len(set(row)) == k for row in indices.tolist())

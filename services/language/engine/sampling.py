@@ -285,6 +285,29 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest values of each row of ``x`` [S, vocab] (most likely first) and their
+    indices, as ``torch.topk`` (which of equal values is taken may differ, as topk's may).
+
+    NOTE: ``torch.topk`` of 5 over 16 rows of 152k took ~1.5 ms on the CPU. The ``k`` blocks
+    of ``BLOCK`` columns with the largest maxima hold a row's ``k`` largest values (any other
+    block's values are at most the k-th largest maximum, each of which is a value already
+    held), so topk runs over those blocks' columns alone after one vectorised ``amax``."""
+    num_rows, vocab = x.shape
+    body = vocab - vocab % BLOCK
+    if k * BLOCK * 4 > body:
+        return torch.topk(x, k, dim=-1)
+    blocks = x[:, :body].view(num_rows, body // BLOCK, BLOCK)
+    block_top = torch.topk(blocks.amax(dim=-1), k, dim=-1).indices  # [S, k]
+    rows = torch.arange(num_rows, device=x.device)[:, None]
+    columns = (block_top[:, :, None] * BLOCK + torch.arange(BLOCK, device=x.device)).flatten(1)
+    if body < vocab:  # the last vocab % BLOCK columns are candidates too
+        tail = torch.arange(body, vocab, device=x.device).expand(num_rows, -1)
+        columns = torch.cat([columns, tail], dim=1)
+    values, at = torch.topk(x[rows, columns], k, dim=-1)
+    return values, columns.gather(1, at)
+
+
 class NonFiniteLogitsError(ValueError):
     """The model produced NaN or +inf logits for one request (e.g. from its image rows)."""
 
@@ -546,7 +569,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: int) -> lis
         logprobs = torch.log_softmax(rows.float(), dim=-1)
         chosen = logprobs.gather(1, ids[:, None])[:, 0].cpu().tolist()
         if num_top:
-            values, top_ids = torch.topk(logprobs, num_top, dim=-1)
+            values, top_ids = top_k_rows(logprobs, num_top)
             tops = zip(top_ids.cpu().tolist(), values.cpu().tolist(), strict=True)
         else:
             tops = [([], [])] * len(chosen)
