@@ -201,9 +201,8 @@ class SamplerState:
         return cls(params, gen)
 
     def uniform(self) -> float:
-        """The next uniform draw in [0, 1) of this request's generator (float64): what ``draw``
-        takes, so a seed gives the same draws on either sampler."""
-        return float(torch.rand(1, generator=self.generator, dtype=torch.float64))
+        """The next uniform draw of this request's generator (``next_uniform``)."""
+        return next_uniform(self.generator)
 
     def sample(self, row: torch.Tensor) -> int:
         """One token from ``row`` [vocab] (float32, CPU, finite): temperature, then min-p,
@@ -241,13 +240,20 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).index_put_((order[keep],), values[keep])
 
 
+def next_uniform(generator: torch.Generator | None) -> float:
+    """The next uniform draw in [0, 1) of ``generator`` (None: torch's global one), float64:
+    the one number each sampled token takes, on either sampler, so a seed draws the same
+    tokens on both."""
+    return float(torch.rand(1, generator=generator, dtype=torch.float64))
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index of ``probs`` [vocab] (non-negative, not all 0) drawn with probability
     ``probs[i] / probs.sum()``: the inverse of its float64 cumulative sum at one uniform draw.
     NOTE: ``torch.multinomial`` on one CPU row of 152k took ~3 ms, this ~0.2 ms."""
     cumulative = probs.double().cumsum(0)
-    u = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]
-    index = int(torch.searchsorted(cumulative, u, right=True)[0])  # first cumulative above u
+    u = next_uniform(generator) * cumulative[-1]
+    index = int(torch.searchsorted(cumulative, u, right=True))  # first cumulative above u
     if index >= probs.shape[0]:  # u rounded up to the total: the last token with mass
         index = int(probs.nonzero()[-1, 0])
     return index
