@@ -128,7 +128,7 @@ RETURNS = {
     "decoder_layers": ctypes.c_int,
 }
 LM_HEAD_COLS = 16  # vocabulary columns per block of the packed LM head
-SCREEN_BLOCK_PARAMS = 48  # the head screen's bound terms per block: three [16] arrays
+SCREEN_GROUP_DIMS = 128  # the head screen's quantization groups: a scale each per column and row
 # the bf16 attention kernels' limits (head_dim a multiple of 16 up to 256, at most 32 query heads
 # per KV head); they run where the CPU has AVX-512 BF16 (``attention_fits``)
 ATTENTION_DIM_STEP, ATTENTION_MAX_DIM, ATTENTION_MAX_GROUP = 16, 256, 32
@@ -558,7 +558,8 @@ class NativeKernels:
         weight = weight.contiguous()
         blocks = -(-vocab // LM_HEAD_COLS)
         q = torch.empty(blocks * LM_HEAD_COLS * dim, dtype=torch.uint8)
-        params = torch.empty(blocks * SCREEN_BLOCK_PARAMS, dtype=torch.float32)
+        groups = -(-dim // SCREEN_GROUP_DIMS)  # per block: [groups][16] scales, two [16] bounds
+        params = torch.empty(blocks * (groups + 2) * LM_HEAD_COLS, dtype=torch.float32)
         widest = ctypes.c_float()
         code = self._lib.lm_head_screen_pack_bf16(
             weight.data_ptr(), vocab, dim, q.data_ptr(), params.data_ptr(), ctypes.byref(widest)

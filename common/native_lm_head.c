@@ -58,79 +58,105 @@ int lm_head_pack_bf16(const uint16_t* w, int64_t vocab, int64_t dim, uint16_t* p
  *
  * A row's largest logit is found in two passes that give the full pass's answer exactly. The
  * screen reads an int8 copy of the weight (half the bytes, and VPDPBUSD makes four products a
- * lane where VDPBF16PS makes two): column c's weight w = s·q + e (q + 128 as uint8, s = max|w| /
- * 127, e the rounding), the row h = t·p + f likewise (p int8), so h·w = t·s·(p·q) + s·(f·q) + h·e,
- * the last two at most |f|·s|q| + |h|·|e| (Cauchy–Schwarz, |·| the Euclidean norm). With a margin
- * for the full pass's own float32 sums and bf16 rounding, each column gets an interval sure to
- * hold its logit; a column whose interval lies below another's lower end cannot be the maximum
- * nor tie it. The few left (about ten of 151,669 on a random-weight demo head) are recomputed by
- * the full pass's own block routine, in column order, so the value, the column and the tie rule
- * are the full pass's. Where the screen cannot bound a row (a NaN or infinite input, sums that
- * could overflow) or keeps too many columns, the call runs the full pass instead.
+ * lane where VDPBF16PS makes two). Both sides are quantized in groups of 128 dimensions: column
+ * c's weight in group g is w = s_g·q + e (q + 128 as uint8, s_g = max|w_g| / 127, e the
+ * rounding), the row's h = t_g·p + f likewise (p int8), so h·w = Σ_g t_g·s_g·(p_g·q_g) + f·sq
+ * + h·e (sq: the weight's s_g·q), the last two at most |f|·|sq| + |h|·|e| (Cauchy–Schwarz, |·|
+ * the Euclidean norm over all groups). A scale per group follows the local sizes of the weight
+ * and of the row: on Qwen2.5-VL-3B's widths (random weights) the blocks a row cannot rule out
+ * fall from 370-480 of 9,496 with one scale per row to 95-130. With a margin for the full
+ * pass's own float32 sums and bf16 rounding, each column gets an interval sure to hold its logit;
+ * a column whose interval lies below another's lower end cannot be the maximum nor tie it. The
+ * few left are recomputed by the full pass's own sums, so the value, the column and the tie rule
+ * are the full pass's: their blocks in column order, each read from memory once for all the rows
+ * that kept it, several (row, block) sums at a time. Where the screen cannot bound a row (a NaN
+ * or infinite input, sums that could overflow) or keeps too many columns, the call runs the full
+ * pass instead.
  *
  * The screen's weight: q + 128 [blocks][dim / 4][16 columns][4] uint8 (columns past vocab 128),
- * and per block three [16] float32 arrays: the scale s and the two bound factors of |h| and |f|.
- * The row's quads (p int8) are the signed operand, broadcast from memory by the instruction. */
-#define SCREEN_SLOTS 2048 /* columns a thread keeps per row before dropping the ones now below */
-#define SCREEN_REFRESH 4  /* blocks between refreshes of a row's lower end */
-#define SCREEN_PARAMS 48  /* floats of bound terms per block: 3 x 16 */
+ * and per block [groups][16] float32 scales s_g, then two [16] float32 bound factors of |h| and
+ * |f|. The row's quads (p int8) are the signed operand, broadcast from memory by the instruction;
+ * each group's sums start at minus 128·Σp_g, which takes the weights' +128 back out. */
+#define SCREEN_SLOTS 2048   /* columns a thread keeps per row before dropping the ones now below */
+#define SCREEN_REFRESH 4    /* blocks between refreshes of a row's lower end */
+#define SCREEN_GROUP 32     /* quads per quantization group: 128 dimensions */
 #define SCREEN_MAX_SUM 1e37 /* |h|·max|w| at most this: no float32 sum can overflow */
 
-/* A column's interval is a ∓ (c1·|a| + |h|·((1 + c1)|e| + c2·|w|) + |f|·(1 + c1)s|q| + tiny),
- * a = t·s·(p·q) as the screen computes it. c1 = 2^-7 covers the bf16 rounding of the logit
- * (2^-9 of it) and the screen's own float32 roundings; c2·|h|·|w| the full pass's float32 sums
- * (at most dim·2^-24·Σ|h·w|: c2 = dim·2^-21 leaves a factor 8); tiny the subnormals VDPBF16PS
- * flushes (FLT_MIN each, 8·dim of them). */
-static inline double rel_margin(void) { return 0x1p-7; }
-static inline double sum_margin(int64_t dim) { return (double)dim * 0x1p-21; }
+/* quantization groups of a row of `quads` quads */
+static inline int64_t screen_groups(int64_t quads) {
+    return (quads + SCREEN_GROUP - 1) / SCREEN_GROUP;
+}
 
-/* the screen's weight and bound terms for `w` [vocab][dim] (bf16); max_norm: the largest
- * column's |w|. Returns 0, -1 for a dim not a multiple of 4, -3 for a non-finite weight. */
+/* floats of a block's scales and bound factors */
+static inline int64_t screen_params(int64_t quads) { return (screen_groups(quads) + 2) * COLS; }
+
+/* A column's interval is a ∓ (c1·|a| + |h|·(1 + c1)(|e| + c2·|w| + c3·(|w| + |e|))
+ * + |f|·(1 + c1)(|sq| + c3·(|w| + |e|)) + tiny), a = Σ_g t_g·s_g·(p_g·q_g) as the screen sums
+ * it. c1 = 2^-8 covers the bf16 rounding of the logit (at most 2^-8 of it), plus 2^-20 for the
+ * float32 roundings of the interval's own arithmetic; c2·|h|·|w| the full pass's float32 sums (at
+ * most dim·2^-24·Σ|h·w|: c2 = dim·2^-23 leaves a factor 2); c3 the screen's float32 sum over
+ * groups (a rounding per product of scales and per group: at most (groups + 1)·2^-24·Σ_g |t_g
+ * p_g|·|s_g q_g|, itself at most |tp|·|sq| <= (|h| + |f|)(|w| + |e|)); tiny the subnormals
+ * VDPBF16PS flushes (FLT_MIN each, 8·dim of them). */
+static inline double rel_margin(void) { return 0x1p-8 + 0x1p-20; }
+static inline double sum_margin(int64_t dim) { return (double)dim * 0x1p-23; }
+static inline double group_margin(int64_t groups) { return (double)(groups + 2) * 0x1p-24; }
+
+/* bf16 bits as a float */
+static inline float bf16_value(uint16_t bits) {
+    const uint32_t wide = (uint32_t)bits << 16;
+    float v;
+    memcpy(&v, &wide, sizeof v);
+    return v;
+}
+
+/* the screen's weight and its scales and bound terms (params: screen_params per block) for `w`
+ * [vocab][dim] (bf16); max_norm: the largest column's |w|. Returns 0, -1 for a dim not a
+ * multiple of 4, -3 for a non-finite weight. */
 int lm_head_screen_pack_bf16(const uint16_t* w, int64_t vocab, int64_t dim, uint8_t* q,
                              float* params, float* max_norm) {
     if (dim % 4 != 0 || dim <= 0) return -1;
     const int64_t blocks = (vocab + COLS - 1) / COLS, quads = dim / 4;
-    const double c1 = rel_margin(), c2 = sum_margin(dim);
+    const int64_t groups = screen_groups(quads), group_dims = SCREEN_GROUP * 4;
+    const double c1 = rel_margin(), c2 = sum_margin(dim), c3 = group_margin(groups);
     double widest = 0.0;
     for (int64_t b = 0; b < blocks; ++b) {
         uint8_t* dst = q + b * quads * COLS * 4;
-        float* prm = params + b * SCREEN_PARAMS;
+        float* prm = params + b * screen_params(quads);
         for (int64_t lane = 0; lane < COLS; ++lane) {
             const int64_t c = b * COLS + lane;
-            float scale = 0.0f;
-            double err2 = 0.0, q2 = 0.0, w2 = 0.0;
-            if (c < vocab) {
-                const uint16_t* row = w + c * dim;
-                float top = 0.0f;
-                for (int64_t d = 0; d < dim; ++d) {
-                    uint32_t bits = (uint32_t)row[d] << 16;
-                    float v;
-                    memcpy(&v, &bits, sizeof v);
-                    if (!isfinite(v)) return -3;
-                    top = fabsf(v) > top ? fabsf(v) : top;
+            double err2 = 0.0, sq2 = 0.0, w2 = 0.0;
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t d0 = g * group_dims;
+                const int64_t d1 = d0 + group_dims < dim ? d0 + group_dims : dim;
+                float scale = 0.0f;
+                if (c < vocab) {
+                    float top = 0.0f;
+                    for (int64_t d = d0; d < d1; ++d) {
+                        const float v = bf16_value(w[c * dim + d]);
+                        if (!isfinite(v)) return -3;
+                        top = fabsf(v) > top ? fabsf(v) : top;
+                    }
+                    scale = top / 127.0f;
                 }
-                scale = top / 127.0f;
-                for (int64_t d = 0; d < dim; ++d) {
-                    uint32_t bits = (uint32_t)row[d] << 16;
-                    float v;
-                    memcpy(&v, &bits, sizeof v);
-                    double k = scale > 0.0f ? nearbyint((double)v / scale) : 0.0;
+                for (int64_t d = d0; d < d1; ++d) {
+                    const double v = c < vocab ? (double)bf16_value(w[c * dim + d]) : 0.0;
+                    double k = scale > 0.0f ? nearbyint(v / scale) : 0.0;
                     k = k > 127.0 ? 127.0 : k < -127.0 ? -127.0 : k;
-                    const double e = (double)v - (double)scale * k; /* exact in double */
+                    const double e = v - (double)scale * k; /* exact in double */
                     dst[(d / 4) * COLS * 4 + lane * 4 + d % 4] = (uint8_t)(k + 128.0);
                     err2 += e * e;
-                    q2 += k * k;
-                    w2 += (double)v * v;
+                    sq2 += ((double)scale * k) * ((double)scale * k);
+                    w2 += v * v;
                 }
-            } else {
-                for (int64_t d = 0; d < dim; ++d) dst[(d / 4) * COLS * 4 + lane * 4 + d % 4] = 128;
+                prm[g * COLS + lane] = scale;
             }
-            widest = sqrt(w2) > widest ? sqrt(w2) : widest;
-            prm[lane] = scale;
-            /* |h|'s factor: |e| and the full pass's float32 error (at most c2·|h|·|w|) */
-            prm[COLS + lane] = (float)((1.0 + c1) * sqrt(err2) + c2 * sqrt(w2));
-            /* |f|'s factor: s·|q| */
-            prm[2 * COLS + lane] = (float)((1.0 + c1) * scale * sqrt(q2));
+            const double e = sqrt(err2), sq = sqrt(sq2), wn = sqrt(w2);
+            widest = wn > widest ? wn : widest;
+            /* |h|'s factor: |e|, the full pass's float32 sums, the screen's own over groups */
+            prm[groups * COLS + lane] = (float)((1.0 + c1) * (e + c2 * wn + c3 * (wn + e)));
+            /* |f|'s factor: |sq|, the screen's sums over groups */
+            prm[(groups + 1) * COLS + lane] = (float)((1.0 + c1) * (sq + c3 * (wn + e)));
         }
     }
     *max_norm = (float)(widest * (1.0 + 0x1p-20));
@@ -254,6 +280,31 @@ static void pack_rows(const void* x, int64_t row_bytes, int64_t rows, int64_t wo
     }
 }
 
+/* each row's choice (best_value, best_index) from its threads' (partial: [threads][rows]): a
+ * thread takes its blocks in rising order, so its own ties keep the earlier column; between
+ * threads the lower column wins a tie. NaN where a logit was NaN or +inf; -inf at column 0 where
+ * every logit is -inf. Returns whether every row had a finite choice. */
+static int merge_best(const Best* partial, int64_t rows, int threads, float* best_value,
+                      int64_t* best_index) {
+    int all = 1;
+    for (int64_t r = 0; r < rows; ++r) {
+        Best out = partial[r];
+        for (int t = 1; t < threads; ++t) {
+            const Best* p = &partial[t * rows + r];
+            out.bad |= p->bad;
+            if (p->index >= 0 && (out.index < 0 || p->value > out.value ||
+                                  (p->value == out.value && p->index < out.index))) {
+                out.value = p->value;
+                out.index = p->index;
+            }
+        }
+        best_value[r] = out.bad ? NAN : out.index < 0 ? -INFINITY : out.value;
+        best_index[r] = out.index < 0 ? 0 : out.index;
+        all &= !out.bad && out.index >= 0;
+    }
+    return all;
+}
+
 int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* packed,
                  int64_t vocab, int64_t dim, uint16_t* logits, int64_t logits_stride,
                  float* best_value, int64_t* best_index, int threads) {
@@ -289,24 +340,7 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
         }
     }
     if (best_value) {
-        for (int64_t r = 0; r < rows; ++r) {
-            /* a thread takes its chunks in rising order, so its own ties keep the earlier
-             * column; between threads the lower column wins a tie */
-            Best out = partial[r];
-            for (int t = 1; t < threads; ++t) {
-                const Best* p = &partial[t * rows + r];
-                out.bad |= p->bad;
-                if (p->index >= 0 &&
-                    (out.index < 0 || p->value > out.value ||
-                     (p->value == out.value && p->index < out.index))) {
-                    out.value = p->value;
-                    out.index = p->index;
-                }
-            }
-            /* every logit -inf: the maximum is -inf at the first column */
-            best_value[r] = out.bad ? NAN : out.index < 0 ? -INFINITY : out.value;
-            best_index[r] = out.index < 0 ? 0 : out.index;
-        }
+        merge_best(partial, rows, threads, best_value, best_index);
         free(partial);
     }
     free(xp);
@@ -364,9 +398,16 @@ typedef struct {
 } Screened;
 
 typedef struct {
-    float t, h_norm, f_norm; /* the row's scale, |h|, |f| (rounded up) */
-    int32_t offset;          /* 128 times the sum of p: the weights' +128 in the dot products */
+    float h_norm, f_norm; /* the row's |h|, |f| (rounded up) */
 } RowTerms;
+
+/* a row's quantization: per group its scale t_g and minus 128·Σp_g, the weights' +128 in the
+ * group's dot products ([rows][groups] each) */
+typedef struct {
+    const float* scale;
+    const int32_t* start;
+    int64_t groups;
+} RowGroups;
 
 static void refresh_floor(Screened* st) {
     const float lo = _mm512_reduce_max_ps(_mm512_loadu_ps(st->lo));
@@ -400,26 +441,23 @@ static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const uint32_t* x
     return acc;
 }
 
-/* a block's sums for `nr` rows (dots: [nr][16]) into their lower and upper ends: the rows'
- * lower ends and the columns that may hold their maxima kept in `st`. Out of line: inlined, its
- * per-row constants would be lifted out of the block loop and push the sums out of registers. */
-static __attribute__((noinline)) void screen_ends(const __m512i* dots, const float* prm,
+/* a block's screened logits for `nr` rows (a: [nr][16]) into their lower and upper ends: the
+ * rows' lower ends and the columns that may hold their maxima kept in `st`. Out of line:
+ * inlined, its per-row constants would be lifted out of the block loop and push the sums out of
+ * registers. */
+static __attribute__((noinline)) void screen_ends(const __m512* a, const float* factors,
                                                   int64_t dim, int64_t col0, __mmask16 live,
                                                   const RowTerms* terms, Screened* st, int nr) {
-    const __m512 scale = _mm512_loadu_ps(prm);
-    const __m512 h_factor = _mm512_loadu_ps(prm + COLS);
-    const __m512 f_factor = _mm512_loadu_ps(prm + 2 * COLS);
+    const __m512 h_factor = _mm512_loadu_ps(factors);
+    const __m512 f_factor = _mm512_loadu_ps(factors + COLS);
     const __m512 c1 = _mm512_set1_ps((float)rel_margin());
     const __m512 tiny = _mm512_set1_ps(FLT_MIN * 8.0f * (float)dim); /* flushed subnormals */
     for (int r = 0; r < nr; ++r) {
-        const __m512 dot =
-            _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[r], _mm512_set1_epi32(terms[r].offset)));
-        const __m512 a = _mm512_mul_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(terms[r].t)));
-        const __m512 bound = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(terms[r].h_norm), h_factor),
-                                           _mm512_mul_ps(_mm512_set1_ps(terms[r].f_norm), f_factor));
-        const __m512 margin =
-            _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(c1, _mm512_abs_ps(a)), bound), tiny);
-        const __m512 lo = _mm512_sub_ps(a, margin), hi = _mm512_add_ps(a, margin);
+        const __m512 bound =
+            _mm512_fmadd_ps(_mm512_set1_ps(terms[r].h_norm), h_factor,
+                            _mm512_fmadd_ps(_mm512_set1_ps(terms[r].f_norm), f_factor, tiny));
+        const __m512 margin = _mm512_fmadd_ps(c1, _mm512_abs_ps(a[r]), bound);
+        const __m512 lo = _mm512_sub_ps(a[r], margin), hi = _mm512_add_ps(a[r], margin);
         Screened* s = &st[r];
         const __m512 seen = _mm512_loadu_ps(s->lo);
         _mm512_storeu_ps(s->lo, _mm512_mask_max_ps(seen, live, seen, lo));
@@ -429,35 +467,48 @@ static __attribute__((noinline)) void screen_ends(const __m512i* dots, const flo
     }
 }
 
-/* one block of the screen for `nr` rows, their int8 quads interleaved in xu: [quads][nr] */
+/* one block of the screen for `nr` rows, their int8 quads interleaved in xu: [quads][nr]; rg:
+ * the pass's first row's groups. A group's integer sums are scaled into the row's float sums
+ * as the group ends. */
 static inline __attribute__((always_inline)) void screen_block(
     const uint32_t* xu, const uint8_t* block, const float* prm, int64_t quads, int64_t col0,
-    __mmask16 live, const RowTerms* terms, Screened* st, const int nr) {
-    __m512i acc[ROWS];
-    for (int r = 0; r < nr; ++r) acc[r] = _mm512_setzero_si512();
-    for (int64_t i = 0; i < quads; ++i) {
-        _mm_prefetch((const char*)(block + (i + PREFETCH_PAIRS) * COLS * 4), _MM_HINT_T0);
-        const __m512i w = _mm512_loadu_si512(block + i * COLS * 4);
-        for (int r = 0; r < nr; ++r) acc[r] = dpbusd_broadcast(acc[r], w, &xu[i * nr + r]);
+    __mmask16 live, RowGroups rg, const RowTerms* terms, Screened* st, const int nr) {
+    __m512 a[ROWS];
+    for (int r = 0; r < nr; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < rg.groups; ++g) {
+        const int64_t i1 = (g + 1) * SCREEN_GROUP < quads ? (g + 1) * SCREEN_GROUP : quads;
+        __m512i acc[ROWS];
+        for (int r = 0; r < nr; ++r) acc[r] = _mm512_set1_epi32(rg.start[r * rg.groups + g]);
+        for (int64_t i = g * SCREEN_GROUP; i < i1; ++i) {
+            _mm_prefetch((const char*)(block + (i + PREFETCH_PAIRS) * COLS * 4), _MM_HINT_T0);
+            const __m512i w = _mm512_loadu_si512(block + i * COLS * 4);
+            for (int r = 0; r < nr; ++r) acc[r] = dpbusd_broadcast(acc[r], w, &xu[i * nr + r]);
+        }
+        const __m512 s = _mm512_loadu_ps(prm + g * COLS);
+        for (int r = 0; r < nr; ++r)
+            a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
+                                   _mm512_mul_ps(s, _mm512_set1_ps(rg.scale[r * rg.groups + g])),
+                                   a[r]);
     }
-    __m512i dots[ROWS]; /* a copy: acc itself, its address taken, would live in memory */
-    for (int r = 0; r < nr; ++r) dots[r] = acc[r];
-    screen_ends(dots, prm, quads * 4, col0, live, terms, st, nr);
+    __m512 sums[ROWS]; /* a copy: a itself, its address taken, would live in memory */
+    for (int r = 0; r < nr; ++r) sums[r] = a[r];
+    screen_ends(sums, prm + rg.groups * COLS, quads * 4, col0, live, terms, st, nr);
 }
 
 /* blocks [b0, b1) for every row; 1 when a row kept more columns than it has slots for */
 static int screen_range(const uint32_t* xu, int64_t rows, const uint8_t* q, const float* params,
-                        int64_t vocab, int64_t quads, int64_t b0, int64_t b1,
+                        int64_t vocab, int64_t quads, int64_t b0, int64_t b1, RowGroups rg,
                         const RowTerms* terms, Screened* st) {
     for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* block = q + b * quads * COLS * 4;
-        const float* prm = params + b * SCREEN_PARAMS;
+        const float* prm = params + b * screen_params(quads);
         const int64_t col0 = b * COLS;
         const __mmask16 live = block_lanes(vocab, col0);
         for (int64_t r = 0; r < rows;) {
             const int nr = pass_rows(rows - r);
             const uint32_t* xr = xu + r * quads;
-#define PASS(N) screen_block(xr, block, prm, quads, col0, live, terms + r, st + r, N)
+            const RowGroups rr = {rg.scale + r * rg.groups, rg.start + r * rg.groups, rg.groups};
+#define PASS(N) screen_block(xr, block, prm, quads, col0, live, rr, terms + r, st + r, N)
             FOR_PASS_SIZE(nr)
 #undef PASS
             r += nr;
@@ -473,77 +524,146 @@ static int screen_range(const uint32_t* xu, int64_t rows, const uint8_t* q, cons
     return 0;
 }
 
-/* the row's terms and its int8 quads (p); 0 where the screen cannot bound it */
-static int row_terms(const uint16_t* x, int64_t dim, float max_norm, int8_t* u, RowTerms* out) {
-    float top = 0.0f;
-    double h2 = 0.0;
+/* the row's terms, its int8 quads (p) and per group its scale and its sums' start (scale,
+ * start: [groups]); 0 where the screen cannot bound it */
+static int row_terms(const uint16_t* x, int64_t dim, float max_norm, int8_t* u, RowTerms* out,
+                     float* scale, int32_t* start) {
+    const int64_t groups = screen_groups(dim / 4), group_dims = SCREEN_GROUP * 4;
+    double h2 = 0.0, f2 = 0.0;
     for (int64_t d = 0; d < dim; ++d) {
-        uint32_t bits = (uint32_t)x[d] << 16;
-        float v;
-        memcpy(&v, &bits, sizeof v);
+        const float v = bf16_value(x[d]);
         if (!isfinite(v)) return 0;
-        top = fabsf(v) > top ? fabsf(v) : top;
         h2 += (double)v * v;
     }
     const double h_norm = sqrt(h2);
-    if (!(h_norm * max_norm <= SCREEN_MAX_SUM) || top == 0.0f) return 0;
-    const float t = top / 127.0f;
-    double f2 = 0.0;
-    int32_t sum = 0;
-    for (int64_t d = 0; d < dim; ++d) {
-        uint32_t bits = (uint32_t)x[d] << 16;
-        float v;
-        memcpy(&v, &bits, sizeof v);
-        double k = nearbyint((double)v / t);
-        k = k > 127.0 ? 127.0 : k < -127.0 ? -127.0 : k;
-        const double f = (double)v - (double)t * k;
-        f2 += f * f;
-        u[d] = (int8_t)k;
-        sum += (int32_t)k;
+    if (!(h_norm * max_norm <= SCREEN_MAX_SUM) || h_norm == 0.0) return 0;
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t d0 = g * group_dims, d1 = d0 + group_dims < dim ? d0 + group_dims : dim;
+        float top = 0.0f;
+        for (int64_t d = d0; d < d1; ++d)
+            top = fabsf(bf16_value(x[d])) > top ? fabsf(bf16_value(x[d])) : top;
+        const float t = top / 127.0f;
+        int32_t sum = 0;
+        for (int64_t d = d0; d < d1; ++d) {
+            const double v = (double)bf16_value(x[d]);
+            double k = t > 0.0f ? nearbyint(v / t) : 0.0;
+            k = k > 127.0 ? 127.0 : k < -127.0 ? -127.0 : k;
+            const double f = v - (double)t * k;
+            f2 += f * f;
+            u[d] = (int8_t)k;
+            sum += (int32_t)k;
+        }
+        scale[g] = t;
+        start[g] = -128 * sum;
     }
-    out->offset = sum * 128;
-    out->t = t;
     out->h_norm = (float)(h_norm * (1.0 + 0x1p-20));
     out->f_norm = (float)(sqrt(f2) * (1.0 + 0x1p-20));
     return 1;
 }
 
-static int by_column(const void* a, const void* b) {
-    const int32_t x = *(const int32_t*)a, y = *(const int32_t*)b;
+#define RECHECK_RUN 64  /* (row, block) pairs a thread rechecks at a time */
+#define RECHECK_GROUP 8 /* pairs summed together: as many sums in flight */
+
+typedef struct {
+    int32_t block, row;
+} Recheck;
+
+/* `g` (row, block) pairs, each block's sums for its row made in the order head_block makes
+ * them, so a column's logit is the full pass's bit for bit. One pair's sums each depend on the
+ * one before: several pairs at once keep the unit busy. */
+static inline __attribute__((always_inline)) void recheck_group(
+    const uint16_t* x, int64_t x_stride, const uint32_t* packed, int64_t pairs,
+    const Recheck* work, int64_t vocab, Best* best, const int g) {
+    __m512 acc[RECHECK_GROUP];
+    const uint32_t *block[RECHECK_GROUP], *xr[RECHECK_GROUP];
+    for (int k = 0; k < g; ++k) {
+        acc[k] = _mm512_setzero_ps();
+        block[k] = packed + (int64_t)work[k].block * pairs * COLS;
+        xr[k] = (const uint32_t*)(x + (int64_t)work[k].row * x_stride);
+    }
+    for (int64_t i = 0; i < pairs; ++i)
+        for (int k = 0; k < g; ++k) {
+            _mm_prefetch((const char*)(block[k] + (i + PREFETCH_PAIRS) * COLS), _MM_HINT_T0);
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(block[k] + i * COLS);
+            acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)_mm512_set1_epi32((int)xr[k][i]), w);
+        }
+    for (int k = 0; k < g; ++k) {
+        __m256i as_bf16;
+        const int64_t col0 = (int64_t)work[k].block * COLS;
+        keep_best(round_bf16(acc[k], &as_bf16), block_lanes(vocab, col0), col0,
+                  &best[work[k].row]);
+    }
+}
+
+static int by_pair(const void* a, const void* b) {
+    const int64_t x = *(const int64_t*)a, y = *(const int64_t*)b;
     return (x > y) - (x < y);
 }
 
-/* row r's greedy choice from the columns its threads kept (cols: room for all of them), their
- * blocks run through the full pass's routine in column order (blocks_run: how many); 0 if it has
- * none (not expected) */
-static int recheck_row(const uint16_t* x, const uint16_t* packed, int64_t vocab, int64_t pairs,
-                       Screened* st, int64_t rows, int threads, int32_t* cols, Best* out,
-                       int64_t* blocks_run) {
-    float floor = -INFINITY;
-    for (int t = 0; t < threads; ++t) {
-        refresh_floor(&st[t * rows]);
-        floor = st[t * rows].floor > floor ? st[t * rows].floor : floor;
+/* Each row's choice among the columns its threads kept above the row's final lower end (st:
+ * [threads][rows]): the (row, block) pairs in block order, threads taking RECHECK_RUN at a time,
+ * so each row meets its blocks in rising order and a block several rows kept is read from memory
+ * once. partial: [threads][rows], for merge_best. Returns the pairs run, -1 without memory. */
+static int64_t recheck_rows(const uint16_t* x, int64_t x_stride, int64_t rows,
+                            const uint16_t* packed, int64_t vocab, int64_t pairs, Screened* st,
+                            int threads, Best* partial) {
+    int64_t slots = 0;
+    for (int64_t k = 0; k < threads * rows; ++k) slots += st[k].kept;
+    int64_t* keys = malloc(sizeof(int64_t) * (size_t)(slots > 0 ? slots : 1));
+    Recheck* work = malloc(sizeof(Recheck) * (size_t)(slots > 0 ? slots : 1));
+    if (!keys || !work) {
+        free(keys);
+        free(work);
+        return -1;
     }
-    int64_t n = 0;
-    for (int t = 0; t < threads; ++t) {
-        const Screened* s = &st[t * rows];
-        for (int k = 0; k < s->kept; ++k)
-            if (s->slot[k].hi >= floor) cols[n++] = s->slot[k].col;
+    int64_t n = 0; /* block · rows + row of each kept column above its row's lower end */
+    for (int64_t r = 0; r < rows; ++r) {
+        float floor = -INFINITY;
+        for (int t = 0; t < threads; ++t) {
+            refresh_floor(&st[t * rows + r]);
+            floor = st[t * rows + r].floor > floor ? st[t * rows + r].floor : floor;
+        }
+        for (int t = 0; t < threads; ++t) {
+            const Screened* s = &st[t * rows + r];
+            for (int k = 0; k < s->kept; ++k)
+                if (s->slot[k].hi >= floor) keys[n++] = (s->slot[k].col / COLS) * rows + r;
+        }
     }
-    qsort(cols, (size_t)n, sizeof(int32_t), by_column);
-    Best best = {-INFINITY, -1, 0};
-    *blocks_run = 0;
-    for (int64_t k = 0; k < n; ++k) {
-        const int64_t b = cols[k] / COLS;
-        if (k > 0 && cols[k - 1] / COLS == b) continue;
-        ++*blocks_run;
-        const int64_t col0 = b * COLS;
-        const __mmask16 live = block_lanes(vocab, col0);
-        head_block((const uint32_t*)x, (const uint32_t*)packed + b * pairs * COLS, pairs, col0,
-                   live, NULL, NULL, 0, &best, 1);
+    qsort(keys, (size_t)n, sizeof(int64_t), by_pair);
+    int64_t run = 0;
+    for (int64_t k = 0; k < n; ++k)
+        if (k == 0 || keys[k] != keys[k - 1])
+            work[run++] = (Recheck){(int32_t)(keys[k] / rows), (int32_t)(keys[k] % rows)};
+    free(keys);
+    const int64_t chunks = (run + RECHECK_RUN - 1) / RECHECK_RUN;
+    for (int64_t k = 0; k < threads * rows; ++k) partial[k] = (Best){-INFINITY, -1, 0};
+#pragma omp parallel num_threads(threads)
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t k1 = (c + 1) * RECHECK_RUN < run ? (c + 1) * RECHECK_RUN : run;
+            for (int64_t k = c * RECHECK_RUN; k < k1;) {
+                const int g = k1 - k < RECHECK_GROUP ? (int)(k1 - k) : RECHECK_GROUP;
+                switch (g) {
+#define GROUP(G)                                                                           \
+    case G:                                                                                \
+        recheck_group(x, x_stride, (const uint32_t*)packed, pairs, work + k, vocab,        \
+                      partial + t * rows, G);                                              \
+        break;
+                    GROUP(8) GROUP(7) GROUP(6) GROUP(5) GROUP(4) GROUP(3) GROUP(2)
+                    default: GROUP(1)
+#undef GROUP
+                }
+                k += g;
+            }
+        }
     }
-    *out = best;
-    return best.index >= 0 && !best.bad;
+    free(work);
+    return run;
 }
 
 /* The greedy choice of each row as lm_head_bf16 gives it (best_value, best_index; packed: its
@@ -564,18 +684,24 @@ int lm_head_screened_bf16(const uint16_t* x, int64_t x_stride, int64_t rows,
     if (threads > chunks) threads = (int)chunks;
     int8_t* u = malloc((size_t)(rows * dim));
     uint32_t* xu = malloc(sizeof(uint32_t) * (size_t)(rows * quads));
+    const int64_t groups = screen_groups(quads);
     RowTerms* terms = malloc(sizeof(RowTerms) * (size_t)rows);
+    float* group_scale = malloc(sizeof(float) * (size_t)(rows * groups));
+    int32_t* group_start = malloc(sizeof(int32_t) * (size_t)(rows * groups));
     Screened* st = malloc(sizeof(Screened) * (size_t)(threads * rows));
-    int32_t* cols = malloc(sizeof(int32_t) * (size_t)(rows * threads * SCREEN_SLOTS));
+    Best* partial = malloc(sizeof(Best) * (size_t)(threads * rows));
     int code = 0;
-    if (!u || !xu || !terms || !st || !cols) {
+    if (!u || !xu || !terms || !group_scale || !group_start || !st || !partial) {
         code = -2;
         goto done;
     }
     for (int64_t r = 0; r < rows && code == 0; ++r)
-        if (!row_terms(x + r * x_stride, dim, max_norm, u + r * dim, &terms[r])) code = 1;
+        if (!row_terms(x + r * x_stride, dim, max_norm, u + r * dim, &terms[r],
+                       group_scale + r * groups, group_start + r * groups))
+            code = 1;
     if (code) goto done;
     pack_rows(u, dim, rows, quads, xu);
+    const RowGroups rg = {group_scale, group_start, groups};
     for (int64_t k = 0; k < threads * rows; ++k) {
         for (int l = 0; l < COLS; ++l) st[k].lo[l] = -INFINITY;
         st[k].floor = -INFINITY;
@@ -593,7 +719,7 @@ int lm_head_screened_bf16(const uint16_t* x, int64_t x_stride, int64_t rows,
             if (__atomic_load_n(&give_up, __ATOMIC_RELAXED)) continue;
             const int64_t b0 = c * CHUNK_BLOCKS;
             const int64_t b1 = b0 + CHUNK_BLOCKS < blocks ? b0 + CHUNK_BLOCKS : blocks;
-            if (screen_range(xu, rows, q, params, vocab, quads, b0, b1, terms, st + t * rows))
+            if (screen_range(xu, rows, q, params, vocab, quads, b0, b1, rg, terms, st + t * rows))
                 __atomic_store_n(&give_up, 1, __ATOMIC_RELAXED);
         }
     }
@@ -601,28 +727,22 @@ int lm_head_screened_bf16(const uint16_t* x, int64_t x_stride, int64_t rows,
         code = 1;
         goto done;
     }
-    /* each row's choice straight into the outputs: the full pass overwrites them if one missed */
-    int missed = 0;
-    int64_t run = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : missed) \
-    reduction(+ : run)
-    for (int64_t r = 0; r < rows; ++r) {
-        int64_t row_run = 0;
-        Best best;
-        missed |= !recheck_row(x + r * x_stride, packed, vocab, pairs, st + r, rows, threads,
-                               cols + r * threads * SCREEN_SLOTS, &best, &row_run);
-        best_value[r] = best.value;
-        best_index[r] = best.index;
-        run += row_run;
+    const int64_t run = recheck_rows(x, x_stride, rows, packed, vocab, pairs, st, threads, partial);
+    if (run < 0) {
+        code = -2;
+        goto done;
     }
     *rechecked = run;
-    if (missed) code = 1; /* cannot happen with the bounds: be safe */
+    if (!merge_best(partial, rows, threads, best_value, best_index))
+        code = 1; /* cannot happen with the bounds: be safe */
 done:
     free(u);
     free(xu);
     free(terms);
+    free(group_scale);
+    free(group_start);
     free(st);
-    free(cols);
+    free(partial);
     if (code == 1) {
         const int full = lm_head_bf16(x, x_stride, rows, packed, vocab, dim, NULL, 0, best_value,
                                       best_index, threads);

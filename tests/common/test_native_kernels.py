@@ -511,12 +511,16 @@ def screened_and_full(x, weight):
 
 
 @requires_screen
-@pytest.mark.parametrize("rows,dim,vocab", [*HEAD_SHAPES, (3, 4, 33)])  # the narrowest dim
-@pytest.mark.parametrize("weights", ["gaussian", "heavy-tailed", "rows of mixed scale"])
+# the narrowest dim; two quantization groups of 128 dimensions, the second of one quad
+@pytest.mark.parametrize("rows,dim,vocab", [*HEAD_SHAPES, (3, 4, 33), (5, 132, 300)])
+@pytest.mark.parametrize(
+    "weights", ["gaussian", "heavy-tailed", "rows of mixed scale", "groups of zeros"]
+)
 def test_screened_head_gives_the_full_pass_choice_bit_for_bit(rows, dim, vocab, weights):
     """The int8 screen, then the bf16 pass over the blocks it cannot rule out: each row's
     largest logit and its first column are the full pass's exactly, over seeds and weight
-    shapes (outliers make the int8 steps coarse, rows of very different norms)."""
+    shapes (outliers make the int8 steps coarse, rows of very different norms, quantization
+    groups whose scale is zero on either side)."""
     for seed in range(8):
         gen = torch.Generator().manual_seed(seed * 7919 + rows * dim + vocab)
         weight = torch.randn(vocab, dim, generator=gen) * dim**-0.5
@@ -525,6 +529,10 @@ def test_screened_head_gives_the_full_pass_choice_bit_for_bit(rows, dim, vocab, 
             weight = weight**3
         elif weights == "rows of mixed scale":
             x = x * torch.logspace(-3, 3, rows)[:, None]
+        elif weights == "groups of zeros":
+            weight[::2, :128] = 0.0  # every other column's first group
+            x[1::2, 128:] = 0.0  # every other row's groups past the first
+            x[::3, :4] *= 1e4  # and an outlier in a row's first quad
         (values, indices, rechecked), (want_values, want_indices) = screened_and_full(
             x.bfloat16(), weight.bfloat16()
         )
