@@ -8,9 +8,12 @@ after the stages (the better of the two counts: on a shared host, the least dist
 * the encoder's ViT (``VisionTower``) on one 448x448 and one 1344x1344 image (896x896 with
   ``--quick``): analytic FLOPs (``bench.flops``) / seconds, as a fraction of the mm figure;
 * the language engine's prefill of a 2048-token prompt, the same way;
-* the engine's decode at batch 1 and at batch 16: bytes one step must read (every weight once +
-  the KV cache) / step time, as a fraction of the copy bandwidth (and, printed beside it, of
-  the read-only sum's).
+* the engine's decode at batch 1 and at batch 16: the bytes of every weight once in the model's
+  dtype + the KV cache / step time, as a fraction of the copy bandwidth (and, printed beside
+  it, of the read-only sum's). Where the greedy LM head screens an int8 copy of its weight
+  first (``services/language/model/lm_head.py``), a step reads fewer bytes than that (at 3B
+  widths and 16 rows ~0.44 GB of the head's 0.62): the figure is then the rate at which the
+  step gets through the model, not the memory's.
 
 Goal for every ratio: >= 0.6. ``python -m bench.limits [--size demo|bench] [--quick]
 [--device auto|cpu|cuda] [--dtype auto|fp32|bf16]`` (auto: what the services pick);
