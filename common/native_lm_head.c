@@ -102,9 +102,11 @@ static inline double rel_margin(void) { return 0x1p-8 + 0x1p-20; }
 static inline double sum_margin(int64_t dim) { return (double)dim * 0x1p-23; }
 static inline double group_margin(int64_t groups) { return (double)(groups + 2) * 0x1p-24; }
 
-/* bf16 bits as a float */
+/* bf16 bits as a float, a subnormal as zero: VDPBF16PS takes subnormal inputs as zero, so the
+ * screen bounds the logits of the values the full pass multiplies */
 static inline float bf16_value(uint16_t bits) {
-    const uint32_t wide = (uint32_t)bits << 16;
+    const uint32_t kept = (bits & 0x7F80u) ? bits : bits & 0x8000u; /* exponent 0: ±0 */
+    const uint32_t wide = kept << 16;
     float v;
     memcpy(&v, &wide, sizeof v);
     return v;

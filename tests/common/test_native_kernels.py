@@ -567,6 +567,22 @@ def test_screened_head_keeps_the_first_of_ties_and_runs_the_full_pass_where_it_c
 
 
 @requires_screen
+def test_screened_head_takes_subnormal_inputs_as_zero_as_the_full_pass_does():
+    """VDPBF16PS reads a subnormal bf16 as zero: a row of subnormals against large weights has
+    every logit 0 in the full pass (the first column wins), and the screen must bound those
+    logits, not the products of the subnormals themselves."""
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(500, 64, generator=gen) * 1e8).bfloat16()
+    x = (torch.randn(2, 64, generator=gen) * 1e-39).bfloat16()
+    x[1, :8] = 1.0  # a normal row but for its subnormal tail
+    assert (x.float().abs() < torch.finfo(torch.float32).tiny).sum() >= 100
+    weight[7, 40:] = (torch.randn(24, generator=gen) * 1e-39).bfloat16()  # subnormal weights
+    (values, indices, _), (want_values, want_indices) = screened_and_full(x, weight)
+    assert want_indices[0] == 0 and want_values[0] == 0.0
+    assert torch.equal(indices, want_indices) and torch.equal(values, want_values)
+
+
+@requires_screen
 def test_screened_head_gives_up_on_a_row_that_keeps_too_many_columns():
     """5,000 equal columns all reach the best lower end: more than a thread keeps; the call
     runs the full pass (the first of them wins)."""
@@ -596,9 +612,10 @@ def test_head_screen_is_made_only_where_it_can_bound_the_weight():
 
 @requires_screen
 def test_the_head_screens_while_rows_recheck_few_blocks_and_tries_again_later():
-    """``NativeLMHead.maxima``: the screen while its rows would recheck at most a quarter of
-    the head; on a head where every column ties, a screened call gives up, so the head stops
-    screening and tries again after ``SCREEN_RETRY`` calls. Its answers are the full pass's."""
+    """``NativeLMHead.maxima``: the screen while its rows would recheck at most
+    ``SCREEN_SHARE`` of the head; on a head where every column ties, a screened call gives up,
+    so the head stops screening and tries again after ``SCREEN_RETRY`` calls. Its answers are
+    the full pass's."""
     from services.language.model import lm_head
     from services.language.model.lm_head import NativeLMHead
 
