@@ -39,6 +39,15 @@
 #define CHUNK_BLOCKS 64  /* blocks a thread takes at a time (1,024 columns) */
 #define PANEL_ROWS 256   /* a linear's rows packed at a time */
 
+/* the calling thread's number in its OpenMP team (0 without OpenMP): its own slot of partials */
+static inline int thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* the packed weight: [ceil(vocab / 16)][dim / 2][16][2] bf16, columns past vocab zero */
 int lm_head_pack_bf16(const uint16_t* w, int64_t vocab, int64_t dim, uint16_t* packed) {
     if (dim % 2 != 0) return -1;
@@ -329,10 +338,7 @@ int lm_head_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16
     for (int64_t k = 0; partial && k < threads * rows; ++k) partial[k] = (Best){-INFINITY, -1, 0};
 #pragma omp parallel num_threads(threads)
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        const int t = thread_num();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < chunks; ++c) {
             const int64_t b0 = c * CHUNK_BLOCKS;
@@ -641,10 +647,7 @@ static int64_t recheck_rows(const uint16_t* x, int64_t x_stride, int64_t rows,
     for (int64_t k = 0; k < threads * rows; ++k) partial[k] = (Best){-INFINITY, -1, 0};
 #pragma omp parallel num_threads(threads)
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        const int t = thread_num();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < chunks; ++c) {
             const int64_t k1 = (c + 1) * RECHECK_RUN < run ? (c + 1) * RECHECK_RUN : run;
@@ -712,10 +715,7 @@ int lm_head_screened_bf16(const uint16_t* x, int64_t x_stride, int64_t rows,
     int give_up = 0; /* a row kept too many columns: the other chunks are skipped */
 #pragma omp parallel num_threads(threads)
     {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
+        const int t = thread_num();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < chunks; ++c) {
             if (__atomic_load_n(&give_up, __ATOMIC_RELAXED)) continue;
