@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import grpc
@@ -65,11 +65,16 @@ def die_with_parent_from_env(sig: int = signal.SIGTERM) -> None:
         die_with_parent(int(parent), sig)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free right now (the usual bind-to-0 trick)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port that is free right now (the usual bind-to-0 trick), none of ``avoid``: ports
+    handed to processes that may not have bound them yet, which the kernel can hand out again."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise RuntimeError(f"no free port on {host} outside the {len(avoid)} already handed out")
 
 
 def check_health(

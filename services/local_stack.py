@@ -83,6 +83,14 @@ class LocalStack:
     launch: WorkerLaunch | None = None
     num_started: dict[str, int] = field(default_factory=dict)  # processes ever started, by role
     gateway_args: list[list[str]] = field(default_factory=list)  # each gateway's command line
+    ports: set[int] = field(default_factory=set)  # every port handed to a process of the stack
+
+    def new_port(self) -> int:
+        """A free port no other process of the stack was given: bind-to-0 can return a port
+        again before the process it went to has bound it (two servers on one port: one fails)."""
+        port = free_port(avoid=self.ports)
+        self.ports.add(port)
+        return port
 
     @property
     def gateway(self) -> ServiceProcess:
@@ -235,10 +243,10 @@ def _worker(stack: LocalStack, role: str, extra_args: tuple[str, ...] = ()) -> S
     assert launch is not None
     index = stack.num_started.get(role, 0)
     stack.num_started[role] = index + 1
-    name, port = f"{role}-{index}", free_port()
+    name, port = f"{role}-{index}", stack.new_port()
     metrics: list[str] = []
     if launch.metrics:
-        stack.metrics_ports[name] = free_port()
+        stack.metrics_ports[name] = stack.new_port()
         metrics = ["--metrics-port", str(stack.metrics_ports[name])]
     own = launch.language_args if role == "language" else ()
     cmd = ["serve", role, "--model-path", str(launch.model_dir), "--port", str(port),
@@ -300,15 +308,17 @@ def start_local_stack(
             metrics,
         ),
     )
+    stack.ports.add(stack.http_port)  # 0 when it has none: never handed out
     try:
         for i in range(num_gateways):
             name = "gateway" if i == 0 else f"gateway-{i}"
-            port = (gateway_port if i == 0 else 0) or free_port()
-            registry = (registry_port if i == 0 else 0) or free_port()
+            port = (gateway_port if i == 0 else 0) or stack.new_port()
+            registry = (registry_port if i == 0 else 0) or stack.new_port()
+            stack.ports.update((port, registry))
             stack.registry_ports.append(registry)
             metrics_args: list[str] = []
             if metrics:
-                stack.metrics_ports[name] = free_port()
+                stack.metrics_ports[name] = stack.new_port()
                 metrics_args = ["--metrics-port", str(stack.metrics_ports[name])]
             http_args = ["--http-port", str(http_port)] if i == 0 and http_port else []
             cmd = ["serve", "gateway", "--port", str(port), "--registry-port", str(registry),

@@ -49,3 +49,16 @@ def test_the_wait_gives_way_to_a_signal_handler_that_raises(tmp_path):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         gateway.stop()
+
+
+def test_a_stack_never_hands_out_a_port_twice():
+    """Bind-to-0 may return a port again before the process given it has bound it (two servers
+    on one port: one of them fails to start); a stack's ports are all distinct, and
+    ``free_port`` skips the ones it is told to avoid."""
+    from services.local_stack import LocalStack
+
+    stack = LocalStack()
+    ports = [stack.new_port() for _ in range(300)]
+    assert len(set(ports)) == 300 and stack.ports == set(ports)
+    taken = set(ports[:50])
+    assert all(free_port(avoid=taken) not in taken for _ in range(100))
